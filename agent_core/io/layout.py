@@ -1,0 +1,109 @@
+"""Where things live under one data root (DESIGN.md §5).
+
+    <data_root>/
+      runs/<run_id>/config.yaml                      the run's resolved config
+      runs/<run_id>/initial_policy/                  the policy before iteration 0
+      runs/<run_id>/iteration=<k>/<table>.parquet    prompts, steps, rewards, advantages, train_metrics
+      runs/<run_id>/iteration=<k>/checkpoint/        the policy after iteration k
+      datasets/<dataset_id>/{prompts,corpus}.parquet shared by every run that uses the dataset
+      prefect/                                       PREFECT_HOME
+      mlflow.db, mlartifacts/                        MLflow tracking store and artifacts
+
+Hive-style `iteration=<k>` folders let DuckDB read `runs/*/iteration=*/steps.parquet` across runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_TABLES = ("prompts", "steps", "rewards", "advantages", "train_metrics")
+DATASET_TABLES = ("dataset_prompts", "corpus")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_id(kind: str, value: str) -> str:
+    """Run and dataset ids become folder names: refuse anything that could escape the data root."""
+    if not _SAFE_ID.match(value):
+        raise ValueError(
+            f"invalid {kind} {value!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class DataRoot:
+    path: Path
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.path / "runs"
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.path / "prefect"
+
+    @property
+    def mlflow_db(self) -> Path:
+        return self.path / "mlflow.db"
+
+    @property
+    def mlflow_tracking_uri(self) -> str:
+        return f"sqlite:///{self.mlflow_db.resolve()}"
+
+    @property
+    def mlflow_artifacts(self) -> Path:
+        return self.path / "mlartifacts"
+
+    def run(self, run_id: str) -> "RunLayout":
+        return RunLayout(self.path, check_id("run id", run_id))
+
+    def dataset_dir(self, dataset_id: str) -> Path:
+        return self.path / "datasets" / check_id("dataset id", dataset_id)
+
+    def dataset_table_uri(self, dataset_id: str, table: str) -> str:
+        if table not in DATASET_TABLES:
+            raise ValueError(f"unknown dataset table {table!r}; valid: {', '.join(DATASET_TABLES)}")
+        name = "prompts" if table == "dataset_prompts" else table
+        return str(self.dataset_dir(dataset_id) / f"{name}.parquet")
+
+    def run_ids(self) -> list[str]:
+        if not self.runs_dir.is_dir():
+            return []
+        return sorted(p.name for p in self.runs_dir.iterdir() if p.is_dir())
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    data_root: Path
+    run_id: str
+
+    @property
+    def run_dir(self) -> Path:
+        return self.data_root / "runs" / self.run_id
+
+    @property
+    def config_path(self) -> Path:
+        return self.run_dir / "config.yaml"
+
+    @property
+    def initial_policy_dir(self) -> Path:
+        return self.run_dir / "initial_policy"
+
+    def iteration_dir(self, iteration: int) -> Path:
+        if iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {iteration}")
+        return self.run_dir / f"iteration={iteration}"
+
+    def table_uri(self, iteration: int, table: str) -> str:
+        if table not in RUN_TABLES:
+            raise ValueError(f"unknown run table {table!r}; valid: {', '.join(RUN_TABLES)}")
+        return str(self.iteration_dir(iteration) / f"{table}.parquet")
+
+    def checkpoint_dir(self, iteration: int) -> Path:
+        return self.iteration_dir(iteration) / "checkpoint"
+
+    def policy_dir_before(self, iteration: int) -> Path:
+        """The policy that iteration `iteration` rolls out with."""
+        return self.initial_policy_dir if iteration == 0 else self.checkpoint_dir(iteration - 1)

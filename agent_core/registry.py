@@ -1,0 +1,61 @@
+"""Name -> implementation registries for every swappable part (engines, envs, rewards, estimators).
+
+A config names a part by string; a misspelt name fails with the list of valid names, so it can be
+checked at config-load time rather than mid-run.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownNameError(KeyError):
+    """Raised for a name that is not registered; the message lists the valid names."""
+
+    def __init__(self, kind: str, name: str, valid: list[str]):
+        self.kind, self.name, self.valid = kind, name, valid
+        super().__init__(f"unknown {kind} {name!r}; valid {kind} names: {', '.join(valid) or '(none)'}")
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return self.args[0]
+
+
+class Registry(Generic[T]):
+    """A named collection of implementations of one kind.
+
+    >>> ESTIMATORS = Registry("advantage estimator")
+    >>> @ESTIMATORS.register("grpo")
+    ... def grpo(...): ...
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def decorator(item: T) -> T:
+            if name in self._items:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._items[name] = item
+            return item
+
+        return decorator
+
+    def get(self, name: str) -> T:
+        try:
+            return self._items[name]
+        except KeyError:
+            raise UnknownNameError(self.kind, name, self.names()) from None
+
+    def check(self, name: str) -> str:
+        """Return `name` if registered, else raise UnknownNameError (for config validators)."""
+        self.get(name)
+        return name
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items

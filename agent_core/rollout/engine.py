@@ -1,0 +1,50 @@
+"""The Engine contract: token ids in, token ids + log-probs out (DESIGN.md §6).
+
+An action is never decoded and re-encoded: re-tokenizing generated text shifts token boundaries,
+which breaks the recorded log-probs and the action mask. Engines therefore only see and return ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one action.
+
+    max_new_tokens: budget of generated tokens per request.
+    temperature: softmax temperature; 0 means greedy. Recorded log-probs are those of the
+        distribution actually sampled from (logits / temperature), so PPO ratios are on-policy.
+    top_p: nucleus sampling mass (1.0 = off).
+    seed: makes a batch reproducible on the same engine and hardware.
+    stop_token_ids: generation ends after emitting one of these (it stays in token_ids).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled continuation. len(token_ids) == len(logprobs) >= 1.
+
+    finish_reason: "stop" when it ended on a stop token, "length" when it hit max_new_tokens.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class Engine(Protocol):
+    """Generates continuations for a batch of tokenized prompts, in order."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        ...
