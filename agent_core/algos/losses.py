@@ -1,0 +1,176 @@
+"""Policy losses and loss aggregation (DESIGN.md §7), pure torch.
+
+Loss aggregation modes (``LOSS_AGG_MODES``, by name), for a per-token loss matrix [B, L] and a
+loss mask [B, L]:
+
+- ``token-mean``: sum over all masked tokens / number of masked tokens. Every token weighs the
+  same, so long responses weigh more (verl's default; DAPO).
+- ``seq-mean-token-mean``: mean over sequences of each sequence's token mean (the original GRPO
+  objective): every sequence weighs the same, so tokens of short responses weigh more.
+- ``seq-mean-token-sum-norm``: each sequence's token sum / a constant length, averaged over
+  sequences (Dr.GRPO, Liu et al. 2025): removes GRPO's length bias.
+
+A "sequence" is a training row: one step of an agent episode (or a packed episode).
+The optional normalizers (``num_tokens``, ``num_sequences``, ``norm_length``) replace the
+per-batch counts with counts over the whole optimizer step, so summing the losses of micro-batches
+gives exactly the loss of one big batch (gradient accumulation). Sequences with no masked token
+are not counted in the seq-mean modes.
+
+The PPO clipped objective follows Schulman et al. 2017, with decoupled low/high clip ranges
+(DAPO's clip-higher) and the optional dual clip of Ye et al. 2020 for negative advantages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from agent_core.registry import Registry
+
+# exp() of a log-ratio above ~88 overflows float32; 20 (a ratio of ~5e8) is already far outside any
+# clip range, so clamping changes no clipped loss value and keeps a stale/garbage log-prob from
+# turning the loss into inf/nan.
+MAX_LOG_RATIO = 20.0
+
+
+class LossAggregator(Protocol):
+    def __call__(
+        self,
+        loss_mat: torch.Tensor,
+        mask: torch.Tensor,
+        num_tokens: float | None,
+        num_sequences: float | None,
+        norm_length: float | None,
+    ) -> torch.Tensor: ...
+
+
+LOSS_AGG_MODES: Registry[LossAggregator] = Registry("loss aggregation mode")
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of x where mask is 1 (x and mask broadcastable)."""
+    product = x * mask
+    return product.sum() if dim is None else product.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over positions where mask is 1; 0 where the mask is empty (never nan)."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def _count_sequences(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
+
+
+@LOSS_AGG_MODES.register("token-mean")
+def _token_mean(loss_mat, mask, num_tokens, num_sequences, norm_length):
+    denominator = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    return masked_sum(loss_mat, mask) / denominator
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-mean")
+def _seq_mean_token_mean(loss_mat, mask, num_tokens, num_sequences, norm_length):
+    per_sequence = masked_mean(loss_mat, mask, dim=-1)
+    denominator = _count_sequences(mask).clamp(min=1) if num_sequences is None else num_sequences
+    return per_sequence.sum() / denominator
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(loss_mat, mask, num_tokens, num_sequences, norm_length):
+    length = loss_mat.shape[-1] if norm_length is None else norm_length
+    per_sequence = masked_sum(loss_mat, mask, dim=-1) / length
+    denominator = _count_sequences(mask).clamp(min=1) if num_sequences is None else num_sequences
+    return per_sequence.sum() / denominator
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+    norm_length: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss [B, L] over `mask` [B, L] to a scalar, by mode name.
+
+    num_tokens: token-mean denominator (default: masked tokens in this batch).
+    num_sequences: seq-mean denominator (default: sequences with a masked token in this batch).
+    norm_length: seq-mean-token-sum-norm length constant (default: L, this batch's width; pass a
+        constant such as the generation budget whenever batches differ in width).
+    """
+    if loss_mat.shape != mask.shape or loss_mat.dim() != 2:
+        raise ValueError(f"loss_mat and mask must both be [B, L]; got {tuple(loss_mat.shape)} and {tuple(mask.shape)}")
+    return LOSS_AGG_MODES.get(mode)(loss_mat, mask.to(loss_mat.dtype), num_tokens, num_sequences, norm_length)
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    """loss: scalar with grad. clipfrac, approx_kl: detached scalars (token means over the mask)."""
+
+    loss: torch.Tensor
+    clipfrac: torch.Tensor
+    approx_kl: torch.Tensor
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg_mode: str = "token-mean",
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+    norm_length: float | None = None,
+) -> PolicyLossOutput:
+    """PPO clipped policy loss. All inputs [B, L]; the loss is aggregated by `agg_mode`.
+
+    ratio = exp(clamp(logprobs - old_logprobs, -MAX_LOG_RATIO, MAX_LOG_RATIO)); per token
+    loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)); with dual_clip = c > 1,
+    tokens with A < 0 take min(that, -A * c), bounding the loss of a very large ratio.
+    clipfrac: share of masked tokens where a clip bound the loss (either clip).
+    approx_kl: k3 estimate of KL(old || new), mean over masked tokens of (r - 1) - log r.
+    """
+    if not (logprobs.shape == old_logprobs.shape == advantages.shape == loss_mask.shape):
+        raise ValueError(
+            "logprobs, old_logprobs, advantages and loss_mask must share one [B, L] shape; got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(advantages.shape)}, {tuple(loss_mask.shape)}"
+        )
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    mask = loss_mask.to(logprobs.dtype)
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual_active = (advantages < 0) & (bound < per_token)
+        per_token = torch.where(dual_active, bound, per_token)
+        was_clipped = was_clipped | dual_active
+    loss = aggregate_loss(
+        per_token, mask, agg_mode, num_tokens=num_tokens, num_sequences=num_sequences, norm_length=norm_length
+    )
+    with torch.no_grad():
+        clipfrac = masked_mean(was_clipped.to(mask.dtype), mask)
+        approx_kl = masked_mean(ratio - 1.0 - log_ratio, mask)
+    return PolicyLossOutput(loss=loss, clipfrac=clipfrac, approx_kl=approx_kl)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last axis: [B, L, V] -> [B, L].
+
+    H = logsumexp(z) - sum(softmax(z) * z), which needs one [B, L, V] probability tensor and no
+    separate log-softmax copy.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)

@@ -1,0 +1,167 @@
+"""PPO clipped loss, loss aggregation, micro-batch accumulation and mask invariance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agent_core.algos.losses import (
+    LOSS_AGG_MODES,
+    aggregate_loss,
+    entropy_from_logits,
+    masked_mean,
+    ppo_clip_loss,
+)
+from agent_core.algos.masks import derive_masks
+from agent_core.registry import UnknownNameError
+
+# (advantage, ratio) -> hand-worked per-token loss with clip range [0.8, 1.2]
+CASES = [
+    (1.0, 1.1, -1.1, False),  # inside the range: unclipped
+    (1.0, 1.5, -1.2, True),  # above, positive advantage: clipped at 1.2
+    (1.0, 0.5, -0.5, False),  # below, positive advantage: the pessimistic (unclipped) term
+    (-1.0, 0.5, 0.8, True),  # below, negative advantage: clipped at 0.8
+    (-1.0, 1.5, 1.5, False),  # above, negative advantage: unclipped (no upper bound without dual clip)
+    (-2.0, 5.0, 10.0, False),  # huge ratio, negative advantage: loss grows with the ratio
+]
+
+
+def case_tensors(cases):
+    advantages = torch.tensor([[c[0] for c in cases]])
+    ratios = torch.tensor([[c[1] for c in cases]])
+    old = torch.linspace(-3.0, -0.5, len(cases))[None]
+    return old + ratios.log(), old, advantages
+
+
+def test_ppo_clip_loss_hand_worked_values():
+    logprobs, old, advantages = case_tensors(CASES)
+    logprobs.requires_grad_(True)
+    out = ppo_clip_loss(logprobs, old, advantages, torch.ones_like(old))
+    expected = sum(c[2] for c in CASES) / len(CASES)
+    assert out.loss.item() == pytest.approx(expected, abs=1e-5)
+    assert out.clipfrac.item() == pytest.approx(2 / 6)
+    ratios = torch.tensor([c[1] for c in CASES])
+    assert out.approx_kl.item() == pytest.approx(float((ratios - 1 - ratios.log()).mean()), abs=1e-5)
+    out.loss.backward()
+    # d(-A r)/d logprob = -A r where unclipped, 0 where a clip binds
+    expected_grad = [0.0 if clipped else -a * r / len(CASES) for a, r, _, clipped in CASES]
+    assert torch.allclose(logprobs.grad[0], torch.tensor(expected_grad), atol=1e-5)
+
+
+def test_clip_high_is_separate_from_clip_low():
+    logprobs, old, advantages = case_tensors([(1.0, 1.5, None, None), (-1.0, 0.5, None, None)])
+    out = ppo_clip_loss(logprobs, old, advantages, torch.ones_like(old), clip_low=0.1, clip_high=0.28)
+    assert out.loss.item() == pytest.approx((-1.28 + 0.9) / 2, abs=1e-5)
+
+
+def test_dual_clip_bounds_negative_advantage_tokens():
+    cases = [(-2.0, 5.0, 6.0, True), (-1.0, 1.5, 1.5, False), (1.0, 5.0, -1.2, True)]
+    logprobs, old, advantages = case_tensors(cases)
+    out = ppo_clip_loss(logprobs, old, advantages, torch.ones_like(old), dual_clip=3.0)
+    assert out.loss.item() == pytest.approx((6.0 + 1.5 - 1.2) / 3, abs=1e-5)
+    assert out.clipfrac.item() == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_clip_loss(logprobs, old, advantages, torch.ones_like(old), dual_clip=0.5)
+
+
+def test_masked_tokens_do_not_count_and_extreme_log_ratios_stay_finite():
+    logprobs, old, advantages = case_tensors(CASES[:2])
+    logprobs = torch.cat([logprobs, torch.tensor([[500.0]])], dim=1)  # garbage outside the mask
+    old = torch.cat([old, torch.tensor([[-500.0]])], dim=1)
+    advantages = torch.cat([advantages, torch.tensor([[-1.0]])], dim=1)
+    out = ppo_clip_loss(logprobs, old, advantages, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert out.loss.item() == pytest.approx((-1.1 - 1.2) / 2, abs=1e-5)
+    assert math.isfinite(out.approx_kl.item())
+
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [7.0, 7.0, 7.0, 7.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "mode, norm_length, expected",
+    [
+        ("token-mean", None, (1 + 2 + 3 + 5) / 4),
+        ("seq-mean-token-mean", None, ((1 + 2 + 3) / 3 + 5) / 2),  # the empty row is not a sequence
+        ("seq-mean-token-sum-norm", None, (6 / 4 + 5 / 4) / 2),  # default length: the width L = 4
+        ("seq-mean-token-sum-norm", 10.0, (6 / 10 + 5 / 10) / 2),
+    ],
+)
+def test_aggregation_modes_by_hand(mode, norm_length, expected):
+    assert aggregate_loss(LOSS, MASK, mode, norm_length=norm_length).item() == pytest.approx(expected)
+
+
+def test_aggregation_uses_given_normalizers_and_rejects_unknown_modes():
+    assert aggregate_loss(LOSS, MASK, "token-mean", num_tokens=11.0).item() == pytest.approx(11 / 11)
+    assert aggregate_loss(LOSS, MASK, "seq-mean-token-mean", num_sequences=4.0).item() == pytest.approx(7 / 4)
+    assert set(LOSS_AGG_MODES.names()) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+    with pytest.raises(UnknownNameError, match="seq-mean-token-mean"):
+        aggregate_loss(LOSS, MASK, "sequence-mean")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_with_global_normalizers_equal_one_batch(mode):
+    gen = torch.Generator().manual_seed(0)
+    rows, width = 7, 9
+    old = -torch.rand(rows, width, generator=gen) * 3
+    logprobs = (old + torch.randn(rows, width, generator=gen) * 0.3).requires_grad_(True)
+    advantages = torch.randn(rows, width, generator=gen)
+    lengths = [9, 3, 6, 1, 8, 2, 5]
+    mask = torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths])
+    mask[3] = 0.0  # a row with no loss token
+    kwargs = dict(agg_mode=mode, clip_low=0.2, clip_high=0.3)
+
+    whole = ppo_clip_loss(logprobs, old, advantages, mask, norm_length=12.0, **kwargs).loss
+    (whole_grad,) = torch.autograd.grad(whole, logprobs)
+
+    norms = dict(num_tokens=float(mask.sum()), num_sequences=float((mask.sum(1) > 0).sum()), norm_length=12.0)
+    total = torch.zeros(())
+    for chunk, cut in (([0, 4], width), ([1, 2, 5], 6), ([3, 6], 5)):  # different padded widths
+        idx = torch.tensor(chunk)
+        total = total + ppo_clip_loss(
+            logprobs[idx, :cut], old[idx, :cut], advantages[idx, :cut], mask[idx, :cut], **kwargs, **norms
+        ).loss
+    (micro_grad,) = torch.autograd.grad(total, logprobs)
+    assert total.item() == pytest.approx(whole.item(), abs=1e-6)
+    assert torch.allclose(micro_grad, whole_grad, atol=1e-7)
+
+
+def grad_wrt_logprobs(old, advantages, loss_mask):
+    logprobs = torch.tensor([[-9.0, -1.0, -2.0, -0.7, -1.5]], requires_grad=True)
+    ppo_clip_loss(logprobs, old, advantages, loss_mask).loss.backward()
+    return logprobs.grad
+
+
+def test_masks_on_make_prompt_positions_irrelevant_and_off_makes_them_count():
+    action = torch.tensor([[0, 0, 0, 1, 1]])
+    attention = torch.ones_like(action)
+    old = torch.tensor([[0.0, 0.0, 0.0, -0.6, -1.4]])
+    # Prompt positions carry advantages as they would with the advantage mask off.
+    advantages = torch.tensor([[0.3, 0.7, -0.4, 1.0, -0.5]])
+    changed_old = old.clone()
+    changed_old[0, :3] = torch.tensor([-1.0, -2.1, -1.9])
+    changed_adv = advantages.clone()
+    changed_adv[0, :3] = torch.tensor([2.0, -3.0, 1.0])
+    for use_loss_mask, should_differ in ((True, False), (False, True)):
+        mask = derive_masks(action, attention, use_loss_mask=use_loss_mask, use_advantage_mask=True).loss_mask
+        base = grad_wrt_logprobs(old, advantages, mask)
+        assert torch.equal(base[0, :1], torch.zeros(1))  # the first token is never trained
+        for new_old, new_adv in ((changed_old, advantages), (old, changed_adv)):
+            differs = not torch.allclose(grad_wrt_logprobs(new_old, new_adv, mask), base)
+            assert differs == should_differ
+        if not should_differ:
+            assert torch.equal(base[0, :3], torch.zeros(3))
+
+
+def test_masked_mean_and_entropy():
+    x = torch.tensor([[1.0, 2.0, 30.0]])
+    assert masked_mean(x, torch.tensor([[1.0, 1.0, 0.0]])).item() == pytest.approx(1.5)
+    assert masked_mean(x, torch.zeros(1, 3)).item() == 0.0
+    assert masked_mean(x, torch.tensor([[1.0, 0.0, 1.0]]), dim=-1).tolist() == [15.5]
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(1)) * 3
+    probs = logits.softmax(-1)
+    naive = -(probs * probs.log()).sum(-1)
+    assert torch.allclose(entropy_from_logits(logits), naive, atol=1e-5)
+    assert torch.allclose(entropy_from_logits(torch.zeros(1, 1, 8)), torch.tensor([[math.log(8)]]))

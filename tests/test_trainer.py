@@ -1,0 +1,177 @@
+"""Training rows, micro-batches, token log-probs and the PPO step on a tiny real Llama."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agent_core.training.batches import TrainSequence, make_micro_batches, step_sequence
+from agent_core.training.trainer import make_optimizer, ppo_update, sequence_logprobs
+
+PAD = 0
+UPDATE = dict(
+    pad_id=PAD, clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, max_grad_norm=None,
+    micro_batch_tokens=4096, temperature=1.0, agg_mode="token-mean",
+)
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def random_steps(seed: int, count: int = 5) -> list[TrainSequence]:
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(count):
+        prompt = [rng.randint(1, 63) for _ in range(rng.randint(2, 7))]
+        response = [rng.randint(1, 63) for _ in range(rng.randint(1, 5))]
+        logprobs = [-rng.uniform(2.0, 6.0) for _ in response]
+        advantage = rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5)
+        steps.append(step_sequence(prompt, response, logprobs, [advantage] * len(response)))
+    return steps
+
+
+def test_step_sequence_aligns_prompt_and_response():
+    seq = step_sequence([5, 6, 7], [8, 9], [-0.5, -1.5], [2.0, 2.0])
+    assert seq.input_ids == [5, 6, 7, 8, 9]
+    assert seq.action_mask == [0, 0, 0, 1, 1]
+    assert seq.old_logprobs == [0.0, 0.0, 0.0, -0.5, -1.5]
+    assert seq.advantages == [0.0, 0.0, 0.0, 2.0, 2.0]
+    with pytest.raises(ValueError, match="response_logprobs 1"):
+        step_sequence([5], [8, 9], [-0.5], [1.0, 1.0])
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        step_sequence([], [8], [-0.5], [1.0])
+    with pytest.raises(ValueError, match="advantages"):
+        TrainSequence([1, 2], [0, 1], [0.0, -1.0], [0.0])
+
+
+def test_micro_batches_respect_the_token_budget_and_keep_every_sequence():
+    lengths = [3, 9, 4, 4, 2, 7, 1, 12]
+    sequences = [TrainSequence(list(range(1, n + 1)), [0] + [1] * (n - 1), [-1.0] * n, [0.5] * n) for n in lengths]
+    batches = make_micro_batches(sequences, max_tokens=10, pad_id=PAD)
+    seen = sorted(i for b in batches for i in b.indices)
+    assert seen == list(range(len(lengths)))
+    for batch in batches:
+        rows, width = batch.input_ids.shape
+        assert rows * width <= 10 or rows == 1
+        assert width == max(lengths[i] for i in batch.indices)
+        assert batch.input_ids.dtype == torch.long and batch.attention_mask.dtype == torch.long
+        assert batch.action_mask.dtype == torch.long and batch.old_logprobs.dtype == torch.float32
+        for row, i in enumerate(batch.indices):
+            n = lengths[i]
+            assert batch.input_ids[row].tolist() == list(range(1, n + 1)) + [PAD] * (width - n)
+            assert batch.attention_mask[row].tolist() == [1] * n + [0] * (width - n)
+            assert batch.advantages[row].tolist() == [0.5] * n + [0.0] * (width - n)
+    assert any(len(b.indices) == 1 and b.input_ids.shape[1] == 12 for b in batches)  # longer than the budget
+
+
+def test_sequence_logprobs_match_a_naive_per_position_computation():
+    model = tiny_llama().eval()
+    batch = make_micro_batches(random_steps(1, count=4), max_tokens=4096, pad_id=PAD)[0]
+    temperature = 0.7
+    with torch.no_grad():
+        logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature)
+        for row in range(batch.input_ids.shape[0]):
+            n = int(batch.attention_mask[row].sum())
+            assert logprobs[row, 0] == 0 and torch.all(logprobs[row, n:] == 0)
+            for t in range(1, n):
+                context = batch.input_ids[row, :t][None]  # unpadded prefix, its own forward pass
+                dist = torch.log_softmax(model(input_ids=context).logits[0, -1] / temperature, dim=-1)
+                target = batch.input_ids[row, t]
+                assert logprobs[row, t].item() == pytest.approx(dist[target].item(), abs=1e-5)
+                assert entropy[row, t].item() == pytest.approx(-(dist.exp() * dist).sum().item(), abs=1e-5)
+
+
+def parameters(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_one_update_changes_every_trainable_parameter():
+    model = tiny_llama().eval()
+    before = parameters(model)
+    optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
+    steps = random_steps(2)
+    result = ppo_update(model, optimizer, steps, **{**UPDATE, "max_grad_norm": 1.0, "entropy_coef": 0.01})
+    assert not result.skipped and result.skip_reason is None
+    assert result.tokens == sum(sum(s.action_mask) for s in steps)
+    assert result.lr == pytest.approx(1e-3)
+    assert result.grad_norm > 0 and result.entropy > 0 and result.clipfrac >= 0
+    unchanged = [name for name, p in model.named_parameters() if torch.equal(p.detach(), before[name])]
+    assert unchanged == []
+    assert not model.training  # the previous mode is restored
+
+
+def sgd_delta(steps, seed=0, **overrides) -> dict[str, torch.Tensor]:
+    """Parameter change of one plain SGD step (lr 1): minus the accumulated gradient."""
+    model = tiny_llama(seed)
+    before = parameters(model)
+    result = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), steps, **{**UPDATE, **overrides})
+    assert not result.skipped
+    return {name: p.detach() - before[name] for name, p in model.named_parameters()}
+
+
+def assert_same_deltas(a, b, same: bool):
+    close = all(torch.allclose(a[name], b[name], atol=1e-6, rtol=1e-4) for name in a)
+    assert close == same
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batching_gives_the_same_step_as_one_batch(agg_mode):
+    steps = random_steps(3, count=6)
+    whole = sgd_delta(steps, agg_mode=agg_mode)
+    micro = sgd_delta(steps, agg_mode=agg_mode, micro_batch_tokens=12)
+    assert_same_deltas(whole, micro, same=True)
+
+
+def with_prompt_values(steps, old_logprob: float, advantage: float) -> list[TrainSequence]:
+    changed = []
+    for s in steps:
+        prompt_len = s.action_mask.index(1)
+        changed.append(TrainSequence(
+            s.input_ids, s.action_mask,
+            [old_logprob] * prompt_len + s.old_logprobs[prompt_len:],
+            [advantage] * prompt_len + s.advantages[prompt_len:],
+        ))
+    return changed
+
+
+def test_prompt_positions_get_no_gradient_with_masks_on_and_do_with_masks_off():
+    steps = random_steps(4)
+    changed = with_prompt_values(steps, old_logprob=-1.3, advantage=0.8)
+    assert_same_deltas(sgd_delta(steps), sgd_delta(changed), same=True)
+    masks_off = dict(use_loss_mask=False, use_advantage_mask=False)
+    assert_same_deltas(sgd_delta(steps, **masks_off), sgd_delta(changed, **masks_off), same=False)
+    # Off the action the engine gave no log-prob: the trainer uses the current policy's (ratio 1),
+    # so changing that placeholder alone changes nothing.
+    only_old = with_prompt_values(changed, old_logprob=-4.0, advantage=0.8)
+    assert_same_deltas(sgd_delta(changed, **masks_off), sgd_delta(only_old, **masks_off), same=True)
+
+
+def test_nan_advantage_skips_the_step_and_leaves_parameters_unchanged():
+    model = tiny_llama()
+    optimizer = make_optimizer(model, lr=1e-3)
+    before = parameters(model)
+    steps = random_steps(5)
+    bad = steps[2]
+    steps[2] = TrainSequence(bad.input_ids, bad.action_mask, bad.old_logprobs, bad.advantages[:-1] + [float("nan")])
+    result = ppo_update(model, optimizer, steps, **UPDATE)
+    assert result.skipped and "non-finite" in result.skip_reason
+    assert all(torch.equal(p.detach(), before[name]) for name, p in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert optimizer.state_dict()["state"] == {}
+
+
+def test_update_without_loss_tokens_is_skipped():
+    model = tiny_llama()
+    empty = [step_sequence([3, 4, 5], [], [], []), step_sequence([7, 8], [], [], [])]
+    result = ppo_update(model, make_optimizer(model, lr=1e-3), empty, **UPDATE)
+    assert result.skipped and result.skip_reason == "no tokens in the loss mask"
+    assert result.tokens == 0
