@@ -1,0 +1,208 @@
+"""SQL over every table of a data root, with DuckDB (DESIGN.md §1, §5).
+
+`open_catalog` gives an in-memory DuckDB connection with one view per table:
+- run tables (`prompts`, `steps`, `rewards`, `advantages`, `train_metrics`, and any other table
+  found under `runs/*/iteration=*/`) over `<root>/runs/<run_id>/iteration=<k>/<table>.parquet`,
+  all runs and iterations at once;
+- dataset tables `dataset_prompts` and `corpus` over `<root>/datasets/<id>/{prompts,corpus}.parquet`.
+
+Where this differs from the obvious `read_parquet('runs/*/iteration=*/steps.parquet',
+hive_partitioning=true)`:
+- Hive partitioning is OFF. With it on, DuckDB replaces the table's own `iteration` column by the
+  folder's value, typed BIGINT (checked on DuckDB 2.0.0), so users would see the path, not the
+  data, and a different type from the schema. Every row already carries `run_id` and `iteration`,
+  so the table's own columns are the ones shown, with their Parquet types.
+- Files are listed in Python, and any path with a component starting with '.' is skipped: writers
+  write `.<name>.tmp` and rename it into place, and DuckDB's `*` matches hidden names.
+- A table with no file yet is an empty view with the columns of its schema
+  (`schemas.TABLES[name].arrow_schema`), so a query never fails only because a stage has not run.
+  A table with neither files nor a schema gets no view (the error lists the views that exist).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+import schemas
+from agent_core.io.layout import DATASET_TABLES, RUN_TABLES
+
+_ITERATION_DIR = re.compile(r"^iteration=\d+$")
+_VIEW_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DATASET_FILE = {"dataset_prompts": "prompts.parquet", "corpus": "corpus.parquet"}
+RESULT_SUFFIXES = (".csv", ".parquet")
+
+
+class QueryError(ValueError):
+    """A query DuckDB rejected; the message carries DuckDB's message and the available views."""
+
+    def __init__(self, message: str, views: Sequence[str]):
+        self.views = list(views)
+        super().__init__(f"{message}\navailable views: {', '.join(self.views) or '(none)'}")
+
+
+def _visible(path: Path, root: Path) -> bool:
+    return not any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def run_table_files(data_root: Path) -> dict[str, list[Path]]:
+    """Parquet files of each run table, by table name (sorted; hidden temp files left out)."""
+    data_root = Path(data_root)
+    files: dict[str, list[Path]] = {name: [] for name in RUN_TABLES}
+    for path in sorted(data_root.glob("runs/*/iteration=*/*.parquet")):
+        if not (path.is_file() and _visible(path, data_root) and _ITERATION_DIR.match(path.parent.name)):
+            continue
+        if _VIEW_NAME.match(path.stem) and path.stem not in DATASET_TABLES:
+            files.setdefault(path.stem, []).append(path)
+    return files
+
+
+def dataset_table_files(data_root: Path) -> dict[str, list[Path]]:
+    """Parquet files of each dataset table, by view name (sorted; hidden folders left out)."""
+    data_root = Path(data_root)
+    return {
+        name: [
+            path
+            for path in sorted(data_root.glob(f"datasets/*/{file_name}"))
+            if path.is_file() and _visible(path, data_root)
+        ]
+        for name, file_name in _DATASET_FILE.items()
+    }
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _schema_of(table: str) -> pa.Schema | None:
+    spec = getattr(schemas, "TABLES", {}).get(table)
+    return None if spec is None else spec.arrow_schema
+
+
+def _create_view(con: duckdb.DuckDBPyConnection, name: str, files: list[Path]) -> None:
+    """Create view `name` over `files`, or an empty one from its schema; none if neither exists."""
+    if files:
+        paths = ", ".join(_sql_string(str(path)) for path in files)
+        con.execute(
+            f'CREATE VIEW "{name}" AS SELECT * FROM read_parquet([{paths}], '
+            "hive_partitioning = false, union_by_name = true)"
+        )
+        return
+    schema = _schema_of(name)
+    if schema is not None:
+        # A registered Arrow table acts as a view; the connection keeps the (empty) table alive.
+        con.register(name, schema.empty_table())
+
+
+def open_catalog(data_root: Path) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with one view per table of `data_root` (see module doc).
+
+    The file lists are taken now: open a new catalog to see tables written later.
+    """
+    con = duckdb.connect(":memory:")
+    tables = {**run_table_files(data_root), **dataset_table_files(data_root)}
+    for name, files in tables.items():
+        _create_view(con, name, files)
+    return con
+
+
+def catalog_views(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """Names of the user views on `con` (registered Arrow tables included), sorted."""
+    rows = con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal ORDER BY view_name").fetchall()
+    return [name for (name,) in rows]
+
+
+def run_query(data_root: Path, sql: str) -> pa.Table:
+    """Run `sql` over the catalog of `data_root` and return the result as an Arrow table.
+
+    A statement with no result (e.g. `SET ...`) returns an empty table with no columns.
+    """
+    con = open_catalog(data_root)
+    try:
+        relation = con.sql(sql)
+        return pa.table({}) if relation is None else relation.to_arrow_table()
+    except duckdb.Error as error:
+        raise QueryError(str(error), catalog_views(con)) from None
+    finally:
+        con.close()
+
+
+# ---- presenting results ------------------------------------------------------------------------
+
+_MAX_CELL = 40
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        text = "NULL"
+    elif isinstance(value, float):
+        text = f"{value:.6g}"
+    elif isinstance(value, (list, dict)):
+        text = json.dumps(value, default=str, ensure_ascii=False)
+    else:
+        text = str(value)
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= _MAX_CELL else text[: _MAX_CELL - 3] + "..."
+
+
+def _is_numeric(data_type: pa.DataType) -> bool:
+    return pa.types.is_integer(data_type) or pa.types.is_floating(data_type) or pa.types.is_decimal(data_type)
+
+
+def format_table(table: pa.Table, max_rows: int = 50) -> str:
+    """An aligned plain-text rendering of the first `max_rows` rows (numbers right-aligned,
+    long cells cut at 40 characters), with a row count line at the end."""
+    if table.num_columns == 0:
+        return f"(no columns, {table.num_rows} rows)"
+    shown = table.slice(0, max(max_rows, 0))
+    columns = [[_cell(v) for v in shown.column(i).to_pylist()] for i in range(table.num_columns)]
+    headers = list(table.column_names)
+    widths = [max([len(h), *(len(c) for c in col)]) for h, col in zip(headers, columns)]
+    right = [_is_numeric(field.type) for field in table.schema]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
+
+    lines = [line(headers), "  ".join("-" * w for w in widths)]
+    lines += [line([col[row] for col in columns]) for row in range(shown.num_rows)]
+    if shown.num_rows < table.num_rows:
+        lines.append(f"({shown.num_rows} of {table.num_rows} rows shown)")
+    else:
+        lines.append(f"({table.num_rows} row{'' if table.num_rows == 1 else 's'})")
+    return "\n".join(lines)
+
+
+def _nested_to_json(table: pa.Table) -> pa.Table:
+    """CSV has no list or struct cells: write those columns as JSON text."""
+    for index, field in enumerate(table.schema):
+        if pa.types.is_nested(field.type):
+            text = [None if v is None else json.dumps(v, default=str) for v in table.column(index).to_pylist()]
+            table = table.set_column(index, pa.field(field.name, pa.string()), pa.array(text, pa.string()))
+    return table
+
+
+def write_result(table: pa.Table, path: Path) -> None:
+    """Write a query result to `path` as CSV or Parquet, chosen by suffix; atomically (written to
+    a hidden temp file, then renamed), so a reader never sees half a file."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in RESULT_SUFFIXES:
+        raise ValueError(f"cannot write a result to {path}: unknown suffix {path.suffix!r}; valid: {', '.join(RESULT_SUFFIXES)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.tmp")
+    try:
+        if suffix == ".csv":
+            pa_csv.write_csv(_nested_to_json(table), temp)
+        else:
+            pq.write_table(table, temp)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)

@@ -1,0 +1,267 @@
+"""MLflow tracking for training runs (DESIGN.md §8): one MLflow run per pipeline run.
+
+Every call goes through an `MlflowClient` bound to an explicit tracking URI and takes the MLflow run
+id as an argument. Nothing here uses mlflow's module-level active-run state (`mlflow.start_run`,
+`mlflow.log_metric`), because Prefect tasks may run in other threads or processes, where that
+global state is absent or belongs to somebody else.
+
+Resuming is the normal case, not an exception: a flow rerun after a crash calls `start_run` with
+the same pipeline run id and gets the same MLflow run back (found by the tag `agentr1.run_id`), and
+`register_checkpoint` for an iteration that is already registered returns the existing version.
+
+Differences from the plain MLflow recipes:
+- `mlflow.register_model("runs:/...")` fails in MLflow 3 for a directory of plain artifacts (it
+  expects a logged MLflow model), so a checkpoint is registered with `create_model_version`,
+  pointing `source` at the artifact URI of the logged directory.
+- Parameter values longer than MLflow's limit are cut (with a visible marker) instead of failing.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+
+def mlflow_env() -> None:
+    """Default MLflow settings for this project; values the user has already set win.
+
+    Called before `mlflow` is imported, because MLflow reads some of them at import time.
+    """
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+mlflow_env()
+
+from mlflow.entities import Metric, Param, ViewType  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from mlflow.utils.validation import (  # noqa: E402
+    MAX_ENTITY_KEY_LENGTH,
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+)
+
+Scalar = Union[str, int, float, bool, None]
+
+RUN_ID_TAG = "agentr1.run_id"
+ITERATION_TAG = "iteration"
+CHECKPOINT_ARTIFACT_DIR = "checkpoints"
+TRUNCATION_MARKER = "...[truncated]"
+END_STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+
+class TrackingError(ValueError):
+    """A tracking request that cannot be honoured; the message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """One registered version of a checkpoint: `source` is the artifact URI it was created from."""
+
+    name: str
+    version: int
+    source: str
+
+
+def flatten_params(config: Mapping[str, object], prefix: str = "") -> dict[str, Scalar]:
+    """Flatten a nested mapping into dotted keys: {"algorithm": {"estimator": "grpo"}} ->
+    {"algorithm.estimator": "grpo"}. Lists and other non-scalars become their `str()`."""
+    flat: dict[str, Scalar] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_params(value, prefix=f"{dotted}."))
+        elif value is None or isinstance(value, (str, int, float, bool)):
+            flat[dotted] = value
+        else:
+            flat[dotted] = str(value)
+    return flat
+
+
+def param_value(value: Scalar) -> str:
+    """The string MLflow stores for a parameter, cut to MLflow's length limit with a marker.
+
+    Deterministic, so a resumed run compares the same cut string and does not re-log it.
+    """
+    text = str(value)
+    if len(text) <= MAX_PARAM_VAL_LENGTH:
+        return text
+    return text[: MAX_PARAM_VAL_LENGTH - len(TRUNCATION_MARKER)] + TRUNCATION_MARKER
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _is_uri(location: str) -> bool:
+    return "://" in location or location.startswith("file:")
+
+
+class Tracker:
+    """Logs one pipeline run to MLflow through an explicit tracking URI.
+
+    The first use of a fresh SQLite store creates its schema (~2.5 s measured here); later opens
+    of the same store cost milliseconds within a process.
+    """
+
+    def __init__(self, tracking_uri: str, artifact_location: str, experiment_name: str = "agentr1"):
+        if tracking_uri.startswith("sqlite:///"):
+            # SQLite creates the file but not its folder.
+            Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        if not _is_uri(artifact_location):
+            artifact_location = str(Path(artifact_location).resolve())
+        self.tracking_uri = tracking_uri
+        self.experiment_name = experiment_name
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        self.experiment_id = self._get_or_create_experiment(experiment_name, artifact_location)
+
+    def _get_or_create_experiment(self, name: str, artifact_location: str) -> str:
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                return self.client.create_experiment(name, artifact_location=artifact_location)
+            except MlflowException as error:
+                if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                # Another process created it between our lookup and our create.
+                experiment = self.client.get_experiment_by_name(name)
+        if experiment.lifecycle_stage != "active":
+            raise TrackingError(
+                f"MLflow experiment {name!r} (id {experiment.experiment_id}) is deleted; restore it "
+                f"(`mlflow experiments restore --experiment-id {experiment.experiment_id}`) or choose another "
+                "experiment name"
+            )
+        return experiment.experiment_id
+
+    # ---- runs -------------------------------------------------------------------------------
+
+    def find_run(self, run_id: str) -> str | None:
+        """The MLflow run id of pipeline run `run_id`, or None if it was never started."""
+        runs = self._runs_tagged(run_id)
+        return runs[0].info.run_id if runs else None
+
+    def _runs_tagged(self, run_id: str) -> list:
+        if "'" in run_id:
+            raise TrackingError(f"run id {run_id!r} must not contain a single quote")
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'",
+            run_view_type=ViewType.ACTIVE_ONLY,
+        )
+        # Oldest first, so concurrent starters agree on the same run.
+        return sorted(runs, key=lambda run: (run.info.start_time, run.info.run_id))
+
+    def start_run(self, run_id: str, params: Mapping[str, object], tags: Mapping[str, str] | None = None) -> str:
+        """Start (or resume) the MLflow run of pipeline run `run_id`; returns the MLflow run id.
+
+        `params` may be nested; it is flattened to dotted keys. A parameter already logged with
+        the same value is skipped; a different value raises TrackingError naming the key.
+        """
+        mlflow_run_id = self.find_run(run_id)
+        if mlflow_run_id is None:
+            mlflow_run_id = self._create_run(run_id, tags or {})
+        else:
+            run = self.client.get_run(mlflow_run_id)
+            if run.info.status != "RUNNING":
+                self.client.update_run(mlflow_run_id, status="RUNNING")
+            for key, value in (tags or {}).items():
+                self.client.set_tag(mlflow_run_id, key, value)
+        self._log_new_params(mlflow_run_id, flatten_params(params))
+        return mlflow_run_id
+
+    def _create_run(self, run_id: str, tags: Mapping[str, str]) -> str:
+        created = self.client.create_run(
+            self.experiment_id, run_name=run_id, tags={**tags, RUN_ID_TAG: run_id}
+        ).info.run_id
+        winner = self.find_run(run_id)
+        if winner is not None and winner != created:
+            # Another process started the same pipeline run concurrently; keep the older run.
+            self.client.delete_run(created)
+            return winner
+        return created
+
+    def _log_new_params(self, mlflow_run_id: str, params: Mapping[str, Scalar]) -> None:
+        logged = self.client.get_run(mlflow_run_id).data.params
+        new: list[Param] = []
+        for key, value in params.items():
+            if len(key) > MAX_ENTITY_KEY_LENGTH:
+                raise TrackingError(f"param key {key[:60]!r}... is longer than MLflow's {MAX_ENTITY_KEY_LENGTH} characters")
+            text = param_value(value)
+            if key not in logged:
+                new.append(Param(key, text))
+            elif logged[key] != text:
+                raise TrackingError(
+                    f"param {key!r} was logged as {logged[key][:200]!r} in MLflow run {mlflow_run_id}; "
+                    f"cannot change it to {text[:200]!r} (MLflow params are immutable: start a new run id "
+                    "to change the config)"
+                )
+        for batch in _chunks(new, MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(mlflow_run_id, params=batch, synchronous=True)
+
+    def log_metrics(self, mlflow_run_id: str, metrics: Mapping[str, float], step: int) -> None:
+        """Log all `metrics` at `step` in one batch call (NaN and inf are kept: MLflow stores them)."""
+        timestamp_ms = int(time.time() * 1000)
+        entries = [Metric(key, float(value), timestamp_ms, int(step)) for key, value in metrics.items()]
+        for batch in _chunks(entries, MAX_METRICS_PER_BATCH):
+            self.client.log_batch(mlflow_run_id, metrics=batch, synchronous=True)
+
+    def log_artifacts(self, mlflow_run_id: str, local_dir: Path | str, artifact_path: str | None = None) -> None:
+        local_dir = Path(local_dir)
+        if not local_dir.is_dir():
+            raise TrackingError(f"cannot log artifacts: {local_dir} is not a directory")
+        self.client.log_artifacts(mlflow_run_id, str(local_dir), artifact_path)
+
+    def log_text(self, mlflow_run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(mlflow_run_id, text, artifact_file)
+
+    def end_run(self, mlflow_run_id: str, status: str = "FINISHED") -> None:
+        if status not in END_STATUSES:
+            raise TrackingError(f"unknown run end status {status!r}; valid: {', '.join(END_STATUSES)}")
+        self.client.set_terminated(mlflow_run_id, status=status)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def register_checkpoint(
+        self, mlflow_run_id: str, checkpoint_dir: Path, model_name: str, iteration: int
+    ) -> RegisteredModel:
+        """Log `checkpoint_dir` under "checkpoints/iteration=<k>" and register it as a version of
+        `model_name`, tagged iteration=<k>. Returns the existing version if this run already
+        registered this iteration (a resumed flow), so versions are never duplicated."""
+        if "'" in model_name:
+            raise TrackingError(f"model name {model_name!r} must not contain a single quote")
+        existing = self.find_checkpoint(mlflow_run_id, model_name, iteration)
+        if existing is not None:
+            return existing
+        checkpoint_dir = Path(checkpoint_dir)
+        if not checkpoint_dir.is_dir():
+            raise TrackingError(f"checkpoint of iteration {iteration} not found: {checkpoint_dir} is not a directory")
+        artifact_path = f"{CHECKPOINT_ARTIFACT_DIR}/iteration={int(iteration)}"
+        self.client.log_artifacts(mlflow_run_id, str(checkpoint_dir), artifact_path)
+        self._ensure_registered_model(model_name)
+        source = posixpath.join(self.client.get_run(mlflow_run_id).info.artifact_uri, artifact_path)
+        version = self.client.create_model_version(
+            model_name, source=source, run_id=mlflow_run_id, tags={ITERATION_TAG: str(int(iteration))}
+        )
+        return RegisteredModel(name=model_name, version=int(version.version), source=version.source)
+
+    def find_checkpoint(self, mlflow_run_id: str, model_name: str, iteration: int) -> RegisteredModel | None:
+        """The version of `model_name` registered by this run for `iteration`, if any."""
+        versions = self.client.search_model_versions(f"name = '{model_name}' and run_id = '{mlflow_run_id}'")
+        matching = [v for v in versions if v.tags.get(ITERATION_TAG) == str(int(iteration))]
+        if not matching:
+            return None
+        first = min(matching, key=lambda v: int(v.version))
+        return RegisteredModel(name=model_name, version=int(first.version), source=first.source)
+
+    def _ensure_registered_model(self, model_name: str) -> None:
+        try:
+            self.client.create_registered_model(model_name)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
