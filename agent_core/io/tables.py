@@ -1,0 +1,128 @@
+"""Reading and writing the pipeline's tables as Parquet files: validated both ways, written atomically.
+
+The only module that reads or writes table files. A table is checked against its schema
+(`schemas.validate`) before anything touches the disk, written to a hidden temporary file in the
+target folder (`.<name>.<random>.tmp`: a leading dot and no `.parquet` ending, so neither a
+`*.parquet` glob nor a `*/steps.parquet` one ever matches it), flushed and fsynced, then renamed
+over the target with `os.replace`, which is atomic on one filesystem: a reader sees the old
+table or the new one, never half of either. Reads check the table again, so a file edited or
+written by other code cannot feed a stage bad rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import schemas
+
+COMPRESSION = "zstd"
+
+
+class TableReadError(ValueError):
+    """A table file exists but is not readable Parquet (truncated, corrupted, not Parquet)."""
+
+    def __init__(self, table_name: str, path: str, reason: str):
+        self.table_name, self.path = table_name, path
+        super().__init__(f"cannot read {table_name} table at {path}: {reason}")
+
+
+def write_table(table_name: str, data: pa.Table | Iterable[Mapping[str, Any]], uri: str | os.PathLike) -> str:
+    """Validate `data` as table `table_name` and write it to `uri` atomically; return the uri.
+
+    data: an Arrow table, or rows (dicts keyed by column name), converted with the table's schema.
+    A validation failure raises `schemas.TableValidationError` and writes nothing.
+    """
+    path = _local_path(uri)
+    if not isinstance(data, pa.Table):
+        data = schemas.table_from_rows(table_name, data)
+    table = schemas.validate(table_name, data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as sink:
+            pq.write_table(table, sink, compression=COMPRESSION)
+            sink.flush()
+            os.fsync(sink.fileno())
+        os.replace(temp_name, path)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return str(uri)
+
+
+def read_table(table_name: str, uri: str | os.PathLike) -> pa.Table:
+    """Read and validate table `table_name` from `uri`.
+
+    Raises FileNotFoundError (no file), TableReadError (not readable Parquet) or
+    schemas.TableValidationError (readable, but breaks the schema; the message names the file).
+    """
+    schemas.table_spec(table_name)  # an unknown name fails before the disk is touched
+    path = _local_path(uri)
+    if not path.is_file():
+        raise FileNotFoundError(f"no {table_name} table at {path}")
+    try:
+        # ParquetFile reads just this file: no hive partition columns from `iteration=<k>` folders.
+        with pq.ParquetFile(path) as parquet_file:
+            table = parquet_file.read()
+    except (pa.ArrowException, OSError) as error:
+        raise TableReadError(table_name, str(path), str(error)) from None
+    try:
+        return schemas.validate(table_name, table)
+    except schemas.TableValidationError as error:
+        raise error.with_source(str(path)) from None
+
+
+def table_exists(uri: str | os.PathLike) -> bool:
+    """True when the table file is in place (a stage is complete when its table exists)."""
+    return _local_path(uri).is_file()
+
+
+def rows_of(instances: Iterable[Any], **constant_columns: Any) -> list[dict[str, Any]]:
+    """Dataclass instances as rows for `write_table`, plus columns every row shares, e.g.
+    `rows_of(step_records, run_id="r1", iteration=0)`.
+
+    Shallow on purpose: `dataclasses.asdict` deep-copies every list item, which for token-id
+    lists costs a Python call per token.
+    """
+    rows = []
+    for instance in instances:
+        if not dataclasses.is_dataclass(instance) or isinstance(instance, type):
+            raise TypeError(f"rows_of takes dataclass instances, got {type(instance).__name__}")
+        row = {field.name: getattr(instance, field.name) for field in dataclasses.fields(instance)}
+        clash = constant_columns.keys() & row.keys()
+        if clash:
+            raise ValueError(f"rows_of: {', '.join(sorted(clash))} given as a constant column and also a field of {type(instance).__name__}")
+        rows.append({**constant_columns, **row})
+    return rows
+
+
+def _local_path(uri: str | os.PathLike) -> Path:
+    text = os.fspath(uri)
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    elif "://" in text:
+        raise ValueError(f"unsupported table location {text!r}: only local paths (or file:// URIs) are supported")
+    return Path(text)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename itself durable; some filesystems refuse to open a directory: skip there."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,52 @@
+"""`advantages`: one row per agent step, one advantage (and return) per response token.
+
+Here only the table's own lengths can be checked (advantages, returns, values, ref_logprobs
+agree); that they match the step's response_ids is a join of two tables, which the stage that
+joins them checks. Row id in errors: `<episode_id>/<step_idx>`.
+"""
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pandera.pyarrow import Field
+
+from schemas._base import (
+    INT32,
+    LIST_FLOAT32,
+    STRING,
+    ArrowModel,
+    arrow_schema_of,
+    at_least,
+    list_items_finite,
+    non_empty_list,
+    row_check,
+    same_list_length,
+    unique_key,
+)
+
+
+class AdvantagesModel(ArrowModel):
+    run_id: STRING = Field()
+    iteration: INT32 = Field()
+    episode_id: STRING = Field()
+    step_idx: INT32 = Field()
+    advantages: LIST_FLOAT32 = Field()
+    returns: LIST_FLOAT32 = Field()
+    values: LIST_FLOAT32 = Field(nullable=True)
+    ref_logprobs: LIST_FLOAT32 = Field(nullable=True)
+    estimator: STRING = Field()
+
+    _iteration_not_negative = row_check("iteration", ">= 0", at_least("iteration", 0))
+    _step_idx_not_negative = row_check("step_idx", ">= 0", at_least("step_idx", 0))
+    _step_idx_unique = row_check("step_idx", "unique per episode_id", unique_key(("episode_id", "step_idx")))
+    _advantages_non_empty = row_check("advantages", "non-empty", non_empty_list("advantages"))
+    _advantages_finite = row_check("advantages", "finite", list_items_finite("advantages"))
+    _returns_match = row_check("returns", "same length as advantages", same_list_length("returns", "advantages"))
+    _returns_finite = row_check("returns", "finite", list_items_finite("returns"))
+    _values_match = row_check("values", "same length as advantages", same_list_length("values", "advantages"))
+    _ref_logprobs_match = row_check(
+        "ref_logprobs", "same length as advantages", same_list_length("ref_logprobs", "advantages")
+    )
+
+
+ARROW_SCHEMA = arrow_schema_of(AdvantagesModel)
+ROW_ID_COLUMNS = ("episode_id", "step_idx")

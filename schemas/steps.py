@@ -1,0 +1,118 @@
+"""`steps`: one row per agent step (one LLM call and the env's answer), DESIGN.md §2, §5.
+
+Cross-row rules, checked with Arrow group-bys rather than a loop over episodes:
+- (episode_id, step_idx) is unique and step_idx runs 0..n-1 within each episode;
+- `done` is True exactly on the last step of each episode (so each episode has one done row);
+- `termination` is set iff `done`; `prefix_shared` is False on the done row (no next context).
+`response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
+rounding of values near zero. Row id in errors: `<episode_id>/<step_idx>`.
+"""
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pandera.pyarrow import Field
+
+from schemas._base import (
+    BOOL,
+    FLOAT64,
+    INT32,
+    LIST_FLOAT32,
+    LIST_INT32,
+    STRING,
+    ArrowModel,
+    JsonShape,
+    arrow_schema_of,
+    at_least,
+    finite,
+    json_check,
+    list_items_at_least,
+    list_items_finite,
+    non_empty_list,
+    set_iff,
+    one_of,
+    per_group,
+    row_check,
+    same_list_length,
+    unique_key,
+)
+
+TERMINATIONS = ("answered", "max_steps", "max_context", "error")
+FINISH_REASONS = ("stop", "length")
+LOGPROB_MAX = 1e-4
+JSON_LIST = JsonShape("JSON list", "list", lambda value: isinstance(value, list))
+JSON_OBJECT = JsonShape("JSON object", "object", lambda value: isinstance(value, dict))
+
+
+def _steps_contiguous(t: pa.Table) -> pa.Array:
+    """All rows of an episode fail when its step_idx values are not 0..n-1."""
+    groups, group_of_row = per_group(t, "episode_id", [("step_idx", "count"), ("step_idx", "min"), ("step_idx", "max")])
+    count_minus_one = pc.subtract(groups["step_idx_count"], 1)
+    contiguous = pc.and_(pc.equal(groups["step_idx_min"], 0), pc.equal(groups["step_idx_max"], count_minus_one))
+    return pc.take(contiguous, group_of_row)
+
+
+def _done_on_last_step(t: pa.Table) -> pa.Array:
+    """A row fails when done != (it is its episode's last step): flags a missing, an early or an
+    extra done row precisely."""
+    groups, group_of_row = per_group(t, "episode_id", [("step_idx", "max")])
+    is_last = pc.equal(t["step_idx"], pc.take(groups["step_idx_max"], group_of_row))
+    return pc.equal(t["done"], is_last)
+
+
+def _not_shared_when_done(t: pa.Table) -> pa.Array:
+    return pc.invert(pc.and_kleene(t["done"], t["prefix_shared"]))
+
+
+class StepsModel(ArrowModel):
+    run_id: STRING = Field()
+    iteration: INT32 = Field()
+    episode_id: STRING = Field()
+    group_id: STRING = Field()
+    prompt_id: STRING = Field()
+    sample_idx: INT32 = Field()
+    step_idx: INT32 = Field()
+    policy_version: INT32 = Field()
+    prompt_ids: LIST_INT32 = Field()
+    response_ids: LIST_INT32 = Field()
+    response_logprobs: LIST_FLOAT32 = Field()
+    response_text: STRING = Field()
+    tool_calls: STRING = Field()
+    parse_error: STRING = Field(nullable=True)
+    observation_text: STRING = Field()
+    env_reward: FLOAT64 = Field()
+    done: BOOL = Field()
+    termination: STRING = Field(nullable=True)
+    finish_reason: STRING = Field()
+    prefix_shared: BOOL = Field()
+    info: STRING = Field()
+
+    _iteration_not_negative = row_check("iteration", ">= 0", at_least("iteration", 0))
+    _sample_idx_not_negative = row_check("sample_idx", ">= 0", at_least("sample_idx", 0))
+    _step_idx_not_negative = row_check("step_idx", ">= 0", at_least("step_idx", 0))
+    _step_idx_unique = row_check("step_idx", "unique per episode_id", unique_key(("episode_id", "step_idx")))
+    _step_idx_contiguous = row_check("step_idx", "contiguous from 0 within each episode", _steps_contiguous)
+    _policy_version_not_negative = row_check("policy_version", ">= 0", at_least("policy_version", 0))
+    _prompt_ids_non_empty = row_check("prompt_ids", "non-empty", non_empty_list("prompt_ids"))
+    _prompt_ids_valid = row_check("prompt_ids", "token ids >= 0", list_items_at_least("prompt_ids", 0))
+    _response_ids_non_empty = row_check("response_ids", "non-empty", non_empty_list("response_ids"))
+    _response_ids_valid = row_check("response_ids", "token ids >= 0", list_items_at_least("response_ids", 0))
+    _logprobs_match_ids = row_check(
+        "response_logprobs", "same length as response_ids", same_list_length("response_logprobs", "response_ids")
+    )
+    _logprobs_valid = row_check(
+        "response_logprobs", f"finite and <= {LOGPROB_MAX:g}", list_items_finite("response_logprobs", LOGPROB_MAX)
+    )
+    _tool_calls_json = row_check("tool_calls", JSON_LIST.description, json_check("tool_calls", JSON_LIST))
+    _env_reward_finite = row_check("env_reward", "finite", finite("env_reward"))
+    _done_on_last_step = row_check("done", "exactly one done row per episode, on its last step", _done_on_last_step)
+    _termination_known = row_check("termination", f"one of {', '.join(TERMINATIONS)}", one_of("termination", TERMINATIONS))
+    _termination_iff_done = row_check("termination", "set iff done", set_iff("termination", "done"))
+    _finish_reason_known = row_check(
+        "finish_reason", f"one of {', '.join(FINISH_REASONS)}", one_of("finish_reason", FINISH_REASONS)
+    )
+    _prefix_not_shared_when_done = row_check("prefix_shared", "False on the done row", _not_shared_when_done)
+    _info_json = row_check("info", JSON_OBJECT.description, json_check("info", JSON_OBJECT))
+
+
+ARROW_SCHEMA = arrow_schema_of(StepsModel)
+ROW_ID_COLUMNS = ("episode_id", "step_idx")
