@@ -11,8 +11,11 @@ from typing import Callable, Generic, TypeVar
 T = TypeVar("T")
 
 
-class UnknownNameError(KeyError):
-    """Raised for a name that is not registered; the message lists the valid names."""
+class UnknownNameError(KeyError, ValueError):
+    """Raised for a name that is not registered; the message lists the valid names.
+
+    A ValueError too, so pydantic validators turn it into a config validation error.
+    """
 
     def __init__(self, kind: str, name: str, valid: list[str]):
         self.kind, self.name, self.valid = kind, name, valid

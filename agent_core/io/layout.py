@@ -5,6 +5,7 @@
       runs/<run_id>/initial_policy/                  the policy before iteration 0
       runs/<run_id>/iteration=<k>/<table>.parquet    prompts, steps, rewards, advantages, train_metrics
       runs/<run_id>/iteration=<k>/checkpoint/        the policy after iteration k
+      runs/<run_id>/iteration=<k>/optimizer.pt       its optimizer state (Adam moments)
       datasets/<dataset_id>/{prompts,corpus}.parquet shared by every run that uses the dataset
       prefect/                                       PREFECT_HOME
       mlflow.db, mlartifacts/                        MLflow tracking store and artifacts
@@ -15,6 +16,8 @@ Hive-style `iteration=<k>` folders let DuckDB read `runs/*/iteration=*/steps.par
 from __future__ import annotations
 
 import re
+import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +33,11 @@ def check_id(kind: str, value: str) -> str:
             f"invalid {kind} {value!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     return value
+
+
+def new_run_id(prefix: str = "run") -> str:
+    """A sortable, collision-resistant id: <prefix>-<UTC date>-<time>-<4 hex>."""
+    return check_id("run id", f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}")
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,9 @@ class RunLayout:
 
     def checkpoint_dir(self, iteration: int) -> Path:
         return self.iteration_dir(iteration) / "checkpoint"
+
+    def optimizer_state_path(self, iteration: int) -> Path:
+        return self.iteration_dir(iteration) / "optimizer.pt"
 
     def policy_dir_before(self, iteration: int) -> Path:
         """The policy that iteration `iteration` rolls out with."""

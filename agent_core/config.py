@@ -1,0 +1,196 @@
+"""Pipeline configuration: frozen pydantic models loaded from YAML (DESIGN.md §4).
+
+Every section is `extra="forbid"`, and an unknown key anywhere fails at load time with the list of
+valid keys at that level; names of swappable parts (engine, scorer, estimator, ...) are checked
+against their registries, so a typo never survives to the middle of a run.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be loaded; the message names the key and the valid choices."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DataConfig(_Section):
+    """The built-in synthetic multi-hop QA task (generated deterministically from `seed`)."""
+
+    source: Literal["synthetic"] = "synthetic"
+    seed: int = 0
+    num_films: int = Field(200, ge=4)
+    num_people: int = Field(120, ge=4)
+    num_cities: int = Field(40, ge=2)
+    num_countries: int = Field(12, ge=2)
+    dev_fraction: float = Field(0.1, ge=0, lt=1)
+    test_fraction: float = Field(0.1, ge=0, lt=1)
+    top_k: int = Field(3, ge=1, description="passages returned by one search call")
+    prompts_per_iteration: int = Field(16, ge=1, description="training prompts sampled per iteration")
+
+
+class PolicyConfig(_Section):
+    """Where the initial policy comes from.
+
+    tiny: a Llama-architecture model built from scratch with a BPE tokenizer trained on the task's
+    text (seconds). path: any local transformers checkpoint directory. smollm2: the
+    SmolLM2-135M-Instruct directory made by `make smollm2` (or `path` if given).
+    """
+
+    source: Literal["tiny", "path", "smollm2"] = "tiny"
+    path: str | None = None
+    vocab_size: int = Field(1024, ge=300)
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(344, ge=8)
+    seed: int = 0
+
+
+class RolloutConfig(_Section):
+    engine: str = "hf"
+    group_size: int = Field(4, ge=1, description="samples per prompt (a GRPO group)")
+    max_steps: int = Field(4, ge=1, description="LLM calls per episode before it is cut off")
+    max_new_tokens: int = Field(48, ge=1, description="tokens per action")
+    max_context_tokens: int = Field(1024, ge=16, description="context budget of an episode")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_batch_size: int = Field(64, ge=1, description="sequences per engine forward pass")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        from agent_core.rollout.engines import ENGINES
+
+        return ENGINES.check(name)
+
+
+class RewardConfig(_Section):
+    scorer: str = "qa_em"
+    format_weight: float = Field(0.1, ge=0, description="bonus for a well-formed final answer")
+
+    @field_validator("scorer")
+    @classmethod
+    def _known_scorer(cls, name: str) -> str:
+        from agent_core.rewards.scorers import SCORERS
+
+        return SCORERS.check(name)
+
+
+class AlgorithmConfig(_Section):
+    estimator: str = "grpo"
+    norm_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    eps: float = Field(1e-6, gt=0)
+    use_loss_mask: bool = Field(True, description="off = also train on non-action tokens (ablation)")
+    use_advantage_mask: bool = Field(True, description="off = recursion over every token (ablation)")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, name: str) -> str:
+        from agent_core.algos.advantages import ADVANTAGE_ESTIMATORS
+
+        return ADVANTAGE_ESTIMATORS.check(name)
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = Field(None, gt=1)
+    entropy_coef: float = 0.0
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch_tokens: int = Field(8192, ge=64, description="padded tokens per micro-batch")
+    loss_agg_mode: str = "token-mean"
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _known_agg_mode(cls, name: str) -> str:
+        from agent_core.algos.losses import LOSS_AGG_MODES
+
+        return LOSS_AGG_MODES.check(name)
+
+
+class TrackingConfig(_Section):
+    tracking_uri: str | None = Field(None, description="default: sqlite database in the data root")
+    experiment: str = "agentr1"
+    model_name: str = "agentr1-policy"
+
+
+class PipelineConfig(_Section):
+    run_id: str | None = Field(None, description="default: a fresh id per run")
+    data_root: str = "data"
+    iterations: int = Field(3, ge=1)
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    policy: PolicyConfig = PolicyConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> scalar values (MLflow params)."""
+        return _flatten(self.model_dump(mode="json"))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _check_keys(model: type[BaseModel], data: Any, prefix: str = "") -> None:
+    """Fail on unknown keys with the valid keys listed (pydantic alone does not list them)."""
+    if not isinstance(data, dict):
+        return
+    fields = model.model_fields
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{prefix}{key}'; valid keys here: {', '.join(fields)}")
+        annotation = fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            _check_keys(annotation, value, f"{prefix}{key}.")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=value` overrides; values are parsed as YAML scalars (3, 0.1, true, grpo)."""
+    data = json.loads(json.dumps(data))  # deep copy
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    return data
+
+
+def build_config(data: dict[str, Any], source: str = "config") -> PipelineConfig:
+    _check_keys(PipelineConfig, data)
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"invalid {source}:\n{error}") from None

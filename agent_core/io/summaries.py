@@ -1,0 +1,65 @@
+"""Per-iteration summary metrics, computed with DuckDB straight from the iteration's tables."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import duckdb
+
+from agent_core.io.layout import RunLayout
+
+
+@dataclass(frozen=True)
+class IterationSummary:
+    iteration: int
+    episodes: int
+    mean_reward: float  # mean over episodes of the episode's summed reward
+    em: float
+    f1: float
+    format_score: float
+    steps_per_episode: float
+    generated_tokens: int
+    loss: float
+    pg_loss: float
+    kl: float
+    entropy: float
+    clipfrac: float
+    grad_norm: float
+    train_tokens_per_s: float
+    skipped_updates: int
+
+    def metrics(self) -> dict[str, float]:
+        """Everything numeric except the iteration, for MLflow."""
+        return {k: float(v) for k, v in asdict(self).items() if k != "iteration"}
+
+
+_EPISODES_SQL = """
+with episodes as (
+    select episode_id, sum(reward) as ret, max(em) as em, max(f1) as f1, max(format_score) as fmt,
+           count(*) as steps
+    from read_parquet(?) group by episode_id
+)
+select count(*), avg(ret), avg(em), avg(f1), avg(fmt), avg(steps) from episodes
+"""
+_STEPS_SQL = "select coalesce(sum(len(response_ids)), 0) from read_parquet(?)"
+_TRAIN_SQL = """
+select avg(loss), avg(pg_loss), avg(kl), avg(entropy), avg(clipfrac), avg(grad_norm),
+       sum(tokens) / greatest(sum(seconds), 1e-9), count(*) filter (where skipped)
+from read_parquet(?)
+"""
+
+
+def iteration_summary(run: RunLayout, iteration: int) -> IterationSummary:
+    with duckdb.connect() as con:
+        episodes = con.execute(_EPISODES_SQL, [run.table_uri(iteration, "rewards")]).fetchall()[0]
+        generated = con.execute(_STEPS_SQL, [run.table_uri(iteration, "steps")]).fetchall()[0][0]
+        train = con.execute(_TRAIN_SQL, [run.table_uri(iteration, "train_metrics")]).fetchall()[0]
+    count, reward, em, f1, fmt, steps = episodes
+    loss, pg_loss, kl, entropy, clipfrac, grad_norm, tokens_per_s, skipped = train
+    return IterationSummary(
+        iteration=iteration, episodes=int(count), mean_reward=float(reward or 0.0), em=float(em or 0.0),
+        f1=float(f1 or 0.0), format_score=float(fmt or 0.0), steps_per_episode=float(steps or 0.0),
+        generated_tokens=int(generated), loss=float(loss), pg_loss=float(pg_loss), kl=float(kl),
+        entropy=float(entropy), clipfrac=float(clipfrac), grad_norm=float(grad_norm),
+        train_tokens_per_s=float(tokens_per_s), skipped_updates=int(skipped),
+    )
