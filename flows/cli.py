@@ -1,0 +1,136 @@
+"""`agentr1`: the command line. Sets up the embedded environment, then runs flows or queries.
+
+    agentr1 demo                       train on the built-in task with the embedded defaults
+    agentr1 train --config FILE        train with a YAML config (see configs/)
+    agentr1 query "SELECT ..."         SQL over every table of every run (DuckDB)
+    agentr1 rerun --run-id R --iteration K --stage S [--set key=value ...]
+    agentr1 runs                       list runs and their iterations
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from flows.environment import configure_environment
+
+DEFAULT_DATA_ROOT = "data"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentr1", description="RL training pipeline for tool-using LLM agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument("--data-root", default=None, help=f"tables, Prefect and MLflow state (default: ./{DEFAULT_DATA_ROOT}, or the config's)")
+        return cmd
+
+    for name, help_text in (("demo", "train on the built-in task with the embedded defaults"),
+                            ("train", "train with a YAML config")):
+        cmd = add(name, help_text)
+        cmd.add_argument("--config", default=None, help="YAML config file (default: embedded defaults)")
+        cmd.add_argument("--run-id", default=None, help="default: a fresh id")
+        cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config value, e.g. --set rollout.group_size=8 (repeatable)")
+
+    query = add("query", "run SQL over all tables of all runs")
+    query.add_argument("sql", help="e.g. \"select iteration, avg(reward) from rewards group by 1 order by 1\"")
+    query.add_argument("--output", default=None, help="write the result to a .csv or .parquet file instead")
+    query.add_argument("--max-rows", type=int, default=50, help="rows printed (default 50)")
+
+    rerun = add("rerun", "rerun one stage of one iteration from the tables before it")
+    rerun.add_argument("--run-id", required=True)
+    rerun.add_argument("--iteration", type=int, required=True)
+    rerun.add_argument("--stage", required=True, help="prepare_data, rollout, label_rewards, compute_advantages or train")
+    rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    add("runs", "list runs and their iterations")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from agent_core.io.configs import load_config
+    from agent_core.io.layout import new_run_id
+
+    overrides = list(args.overrides)
+    if args.data_root:
+        overrides.append(f"data_root={args.data_root}")
+    run_id = args.run_id or new_run_id(args.command)
+    config = load_config(args.config, [*overrides, f"run_id={run_id}"])
+    configure_environment(config.data_root)
+    print(f"agentr1: run {run_id}: {config.iterations} iterations of "
+          f"{config.data.prompts_per_iteration} prompts x {config.rollout.group_size} samples "
+          f"({config.algorithm.estimator}, {config.rollout.engine} engine); data root {Path(config.data_root).resolve()}",
+          flush=True)
+    from flows.train import train  # imported after the environment is set: prefect reads it at import
+
+    started = time.perf_counter()
+    result = train(config)
+    _print_result(result, config.data_root, time.perf_counter() - started)
+    return 0
+
+
+def _print_result(result, data_root: str, seconds: float) -> None:
+    print(f"\nagentr1: run {result.run_id} finished in {seconds:.0f}s")
+    print(f"  tables:          {result.run_dir}/iteration=*/<table>.parquet")
+    print(f"  MLflow store:    {result.tracking_uri} (run {result.mlflow_run_id})")
+    print(f"  registered model: {result.model_name} version {result.model_version} ({result.final_checkpoint})")
+    print(f"  query:           agentr1 query --data-root {data_root} \"select iteration, count(*), avg(reward) from rewards group by 1 order by 1\"")
+    print("\n  iteration  mean reward     EM  steps/episode    loss")
+    for s in result.iterations:
+        print(f"  {s.iteration:>9}  {s.mean_reward:>11.3f}  {s.em:>5.3f}  {s.steps_per_episode:>13.2f}  {s.loss:>6.3f}")
+
+
+def _query(args: argparse.Namespace) -> int:
+    from agent_core.io.query import format_table, run_query, write_result
+
+    table = run_query(Path(args.data_root or DEFAULT_DATA_ROOT), args.sql)
+    if args.output:
+        write_result(table, Path(args.output))
+        print(f"agentr1: wrote {table.num_rows} rows to {args.output}")
+    else:
+        print(format_table(table, max_rows=args.max_rows))
+    return 0
+
+
+def _rerun(args: argparse.Namespace) -> int:
+    data_root = args.data_root or DEFAULT_DATA_ROOT
+    configure_environment(data_root)
+    from flows.rerun import rerun_stage
+
+    written = rerun_stage(data_root, args.run_id, args.iteration, args.stage, list(args.overrides))
+    print(f"agentr1: reran {args.stage} of run {args.run_id} iteration {args.iteration}: {written}")
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from agent_core.io.layout import DataRoot
+
+    root = DataRoot(Path(args.data_root or DEFAULT_DATA_ROOT))
+    run_ids = root.run_ids()
+    if not run_ids:
+        print(f"agentr1: no runs under {root.runs_dir}")
+    for run_id in run_ids:
+        iterations = sorted(p.name for p in root.run(run_id).run_dir.glob("iteration=*"))
+        print(f"{run_id}: {len(iterations)} iterations")
+    return 0
+
+
+COMMANDS = {"demo": _train, "train": _train, "query": _query, "rerun": _rerun, "runs": _runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        # user errors (config typos, missing runs, bad SQL) get one clear line, not a traceback
+        print(f"agentr1: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Rerun one stage of one iteration from the tables of the stage before it.
+
+Only that stage's output is rewritten (e.g. advantages recomputed with another estimator);
+other stages' tables are left as they are. Overrides (`algorithm.estimator=rloo`) apply to
+this rerun only; the run's recorded config.yaml is not changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+
+from agent_core.io.layout import DataRoot
+from tasks.compute_advantages import compute_advantages
+from tasks.label_rewards import label_rewards
+from tasks.prepare_data import prepare_data, prepare_dataset
+from tasks.rollout import rollout
+from tasks.run_config import load_run_config
+from tasks.train import train_policy
+
+STAGES = ("prepare_data", "rollout", "label_rewards", "compute_advantages", "train")
+
+
+@flow(name="agentr1-rerun-stage", log_prints=True)
+def rerun_stage(data_root: str, run_id: str, iteration: int, stage: str, overrides: list[str] | None = None) -> str:
+    """Rerun `stage` of `iteration`; return the URI (or checkpoint path) it wrote."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; valid stages: {', '.join(STAGES)}")
+    run = DataRoot(Path(data_root)).run(run_id)
+    config = load_run_config(run, [*(overrides or []), f"data_root={data_root}"])
+    k = iteration
+    table = lambda name: run.table_uri(k, name)  # noqa: E731 - reads like the stage list below
+    dataset = prepare_dataset(config.data_root, config.data)
+    stages = {
+        "prepare_data": lambda: prepare_data(run, k, dataset, config.data, config.seed),
+        "rollout": lambda: rollout(run, k, table("prompts"), dataset.corpus_uri, str(run.policy_dir_before(k)),
+                                   config.rollout, config.seed),
+        "label_rewards": lambda: label_rewards(run, k, table("steps"), table("prompts"), config.reward),
+        "compute_advantages": lambda: compute_advantages(run, k, table("steps"), table("rewards"), config.algorithm),
+        "train": lambda: train_policy(run, k, table("steps"), table("advantages"), str(run.policy_dir_before(k)),
+                                      config.trainer, config.algorithm, config.rollout.temperature),
+    }
+    return stages[stage]()

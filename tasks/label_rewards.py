@@ -1,0 +1,32 @@
+"""Stage 3: label each step with its process reward and each episode's end with its outcome."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from agent_core.config import RewardConfig
+from agent_core.io.layout import RunLayout
+from agent_core.io.tables import read_table, write_table
+from agent_core.rewards.labelling import StepOutcome, label_steps
+from tasks._common import stage_logger, stage_task
+
+_STEP_FIELDS = [f.name for f in dataclasses.fields(StepOutcome)]
+
+
+@stage_task(name="label_rewards")
+def label_rewards(run: RunLayout, iteration: int, steps_uri: str, prompts_uri: str, cfg: RewardConfig) -> str:
+    steps = read_table("steps", steps_uri).select(_STEP_FIELDS).to_pylist()
+    prompts = read_table("prompts", prompts_uri).select(["prompt_id", "ground_truth"]).to_pylist()
+    answers = {row["prompt_id"]: json.loads(row["ground_truth"])["answers"] for row in prompts}
+    records = label_steps(
+        [StepOutcome(**row) for row in steps], answers, scorer=cfg.scorer, format_weight=cfg.format_weight
+    )
+    rows = [{"run_id": run.run_id, "iteration": iteration, **dataclasses.asdict(r)} for r in records]
+    uri = write_table("rewards", rows, run.table_uri(iteration, "rewards"))
+    finals = [r for r in records if r.em is not None]
+    stage_logger("label_rewards").info(
+        "iteration %d: %d episodes, mean EM %.3f", iteration, len(finals),
+        sum(r.em for r in finals) / max(len(finals), 1),
+    )
+    return uri

@@ -1,0 +1,60 @@
+"""Stage 1: the dataset (once, shared by runs) and each iteration's batch of training prompts."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent_core.config import DataConfig
+from agent_core.data.rows import document_to_row, prompt_to_row
+from agent_core.data.synthetic import generate_synthetic_qa
+from agent_core.io.layout import DataRoot, RunLayout
+from agent_core.io.tables import read_table, table_exists, write_table
+from tasks._common import stage_logger, stage_task
+
+
+@dataclass(frozen=True)
+class DatasetUris:
+    dataset_id: str
+    prompts_uri: str
+    corpus_uri: str
+
+
+@stage_task(name="prepare_dataset")
+def prepare_dataset(data_root: str, data: DataConfig) -> DatasetUris:
+    """Generate the synthetic QA dataset and its corpus, unless this exact dataset exists already."""
+    log = stage_logger("prepare_dataset")
+    dataset = generate_synthetic_qa(
+        seed=data.seed, num_films=data.num_films, num_people=data.num_people, num_cities=data.num_cities,
+        num_countries=data.num_countries, dev_fraction=data.dev_fraction, test_fraction=data.test_fraction,
+        top_k=data.top_k,
+    )
+    root = DataRoot(Path(data_root))
+    uris = DatasetUris(
+        dataset.dataset_id,
+        root.dataset_table_uri(dataset.dataset_id, "dataset_prompts"),
+        root.dataset_table_uri(dataset.dataset_id, "corpus"),
+    )
+    if table_exists(uris.prompts_uri) and table_exists(uris.corpus_uri):
+        log.info("dataset %s already prepared", dataset.dataset_id)
+        return uris
+    write_table("corpus", [document_to_row(d) for d in dataset.documents], uris.corpus_uri)
+    write_table("dataset_prompts", [prompt_to_row(p) for p in dataset.prompts], uris.prompts_uri)
+    log.info("dataset %s: %d prompts, %d documents", dataset.dataset_id, len(dataset.prompts), len(dataset.documents))
+    return uris
+
+
+@stage_task(name="prepare_data")
+def prepare_data(run: RunLayout, iteration: int, dataset: DatasetUris, data: DataConfig, seed: int) -> str:
+    """Sample this iteration's training prompts (deterministic in seed and iteration)."""
+    prompts = read_table("dataset_prompts", dataset.prompts_uri)
+    train_rows = [row for row in prompts.to_pylist() if row["split"] == "train"]
+    if not train_rows:
+        raise ValueError(f"{dataset.prompts_uri}: no prompts with split 'train'")
+    count = min(data.prompts_per_iteration, len(train_rows))
+    chosen = random.Random(f"{seed}:{iteration}").sample(train_rows, count)
+    rows = [{"run_id": run.run_id, "iteration": iteration, **row} for row in chosen]
+    uri = write_table("prompts", rows, run.table_uri(iteration, "prompts"))
+    stage_logger("prepare_data").info("iteration %d: %d training prompts", iteration, count)
+    return uri

@@ -1,0 +1,50 @@
+"""Stage 2: roll out episodes with the current policy and record every step."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from agent_core.config import RolloutConfig
+from agent_core.data.rows import row_to_document, row_to_prompt
+from agent_core.envs.registry import EnvResources, make_env
+from agent_core.envs.search import Bm25Index
+from agent_core.io.checkpoints import load_tokenizer
+from agent_core.io.layout import RunLayout
+from agent_core.io.tables import read_table, write_table
+from agent_core.rollout.agent_loop import LoopSettings, run_episodes
+from agent_core.rollout.chat import eos_token_ids
+from agent_core.rollout.engine import SamplingParams
+from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
+from tasks._common import stage_logger, stage_task
+
+
+@stage_task(name="rollout")
+def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, policy_dir: str,
+            cfg: RolloutConfig, seed: int) -> str:
+    log = stage_logger("rollout")
+    prompts = [row_to_prompt(row) for row in read_table("prompts", prompts_uri).to_pylist()]
+    documents = [row_to_document(row) for row in read_table("corpus", corpus_uri).to_pylist()]
+    resources = EnvResources(search_index=Bm25Index(documents))
+    tokenizer = load_tokenizer(Path(policy_dir))
+    engine = ENGINES.get(cfg.engine)(Path(policy_dir), EngineOptions(max_batch_size=cfg.max_batch_size))
+    sampling = SamplingParams(
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        seed=seed * 100_003 + iteration, stop_token_ids=eos_token_ids(tokenizer),
+    )
+    settings = LoopSettings(
+        group_size=cfg.group_size, max_steps=cfg.max_steps, max_context_tokens=cfg.max_context_tokens,
+        policy_version=iteration, episode_prefix=f"{run.run_id}-i{iteration}-",
+    )
+    try:
+        records = run_episodes(
+            engine, tokenizer, prompts, lambda p: make_env(p.env_name, p.env_kwargs, resources), sampling, settings
+        )
+    finally:
+        close_engine(engine)
+    rows = [{"run_id": run.run_id, "iteration": iteration, **dataclasses.asdict(r)} for r in records]
+    uri = write_table("steps", rows, run.table_uri(iteration, "steps"))
+    episodes = len(prompts) * cfg.group_size
+    log.info("iteration %d: %d episodes, %d steps, %d generated tokens", iteration, episodes, len(records),
+             sum(len(r.response_ids) for r in records))
+    return uri

@@ -1,0 +1,66 @@
+"""Tracking stages: one MLflow run per training run; per-iteration metrics; registered checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent_core.config import PipelineConfig
+from agent_core.io.layout import DataRoot, RunLayout
+from agent_core.io.summaries import IterationSummary, iteration_summary
+from agent_core.io.tracking import Tracker
+from tasks._common import stage_logger, stage_task
+
+
+@dataclass(frozen=True)
+class TrackingRef:
+    tracking_uri: str
+    artifact_location: str
+    experiment: str
+    mlflow_run_id: str
+
+
+def _tracker(ref: TrackingRef) -> Tracker:
+    return Tracker(ref.tracking_uri, ref.artifact_location, ref.experiment)
+
+
+@stage_task(name="start_tracking")
+def start_tracking(run: RunLayout, config: PipelineConfig) -> TrackingRef:
+    root = DataRoot(Path(config.data_root))
+    uri = config.tracking.tracking_uri or root.mlflow_tracking_uri
+    artifacts = root.mlflow_artifacts.resolve().as_uri()
+    tracker = Tracker(uri, artifacts, config.tracking.experiment)
+    mlflow_run_id = tracker.start_run(run.run_id, config.flat(), tags={"data_root": str(Path(config.data_root).resolve())})
+    stage_logger("start_tracking").info("MLflow run %s in experiment %r (%s)", mlflow_run_id, config.tracking.experiment, uri)
+    return TrackingRef(uri, artifacts, config.tracking.experiment, mlflow_run_id)
+
+
+@dataclass(frozen=True)
+class IterationReport:
+    summary: IterationSummary
+    model_name: str
+    model_version: int
+
+
+@stage_task(name="log_iteration")
+def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_dir: str, model_name: str,
+                  rollout_seconds: float) -> IterationReport:
+    """Log the iteration's metrics and register its checkpoint as a model version."""
+    summary = iteration_summary(run, iteration)
+    tracker = _tracker(ref)
+    metrics = summary.metrics()
+    metrics["rollout_tokens_per_s"] = summary.generated_tokens / max(rollout_seconds, 1e-9)
+    tracker.log_metrics(ref.mlflow_run_id, metrics, step=iteration)
+    version = tracker.register_checkpoint(ref.mlflow_run_id, Path(checkpoint_dir), model_name, iteration)
+    stage_logger("log_iteration").info(
+        "iteration %d: mean reward %.3f, EM %.3f, %.2f steps/episode, loss %.4f -> %s v%d",
+        iteration, summary.mean_reward, summary.em, summary.steps_per_episode, summary.loss, version.name, version.version,
+    )
+    return IterationReport(summary, version.name, version.version)
+
+
+@stage_task(name="finish_tracking")
+def finish_tracking(ref: TrackingRef, config_text: str) -> None:
+    tracker = _tracker(ref)
+    tracker.log_text(ref.mlflow_run_id, config_text, "config.yaml")
+    tracker.end_run(ref.mlflow_run_id)

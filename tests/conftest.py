@@ -1,0 +1,31 @@
+"""Test-session environment: Prefect and MLflow state in a throwaway directory, nothing global.
+
+Set before any test module imports prefect (it reads its settings at import).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="agentr1-tests-"))
+os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
+os.environ.pop("PREFECT_API_URL", None)  # never talk to a user's server from tests
+
+from flows.environment import configure_environment  # noqa: E402
+
+configure_environment(_SESSION_DIR)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_unconfigure(config):
+    """Stop Prefect's temporary API server while pytest's streams are still open (its own atexit
+    hook would log to a closed stream)."""
+    import sys
+
+    server_module = sys.modules.get("prefect.server.api.server")
+    if server_module is not None:
+        for server in list(server_module.SubprocessASGIServer._instances.values()):
+            server.stop()

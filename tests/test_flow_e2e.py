@@ -1,0 +1,87 @@
+"""End to end: the real Prefect flow on a tiny config, then SQL, MLflow, and a rerun of one stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from agent_core.io.configs import load_config
+from agent_core.io.layout import RUN_TABLES, DataRoot
+from agent_core.io.query import run_query
+from agent_core.io.tables import read_table
+from flows.cli import main as cli_main
+from flows.rerun import rerun_stage
+from flows.train import train
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    data_root = tmp_path_factory.mktemp("data")
+    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", [f"data_root={data_root}", "run_id=e2e"])
+    result = train(config)
+    return config, result, DataRoot(data_root)
+
+
+def test_every_stage_wrote_its_table_for_every_iteration(trained):
+    config, result, root = trained
+    run = root.run("e2e")
+    for k in range(config.iterations):
+        for table in RUN_TABLES:
+            assert Path(run.table_uri(k, table)).is_file(), (k, table)
+        assert (run.checkpoint_dir(k) / "model.safetensors").is_file()
+    steps = read_table("steps", run.table_uri(0, "steps"))
+    episodes = set(steps.column("episode_id").to_pylist())
+    assert len(episodes) == config.data.prompts_per_iteration * config.rollout.group_size
+    assert [s.iteration for s in result.iterations] == list(range(config.iterations))
+
+
+def test_sql_over_all_tables_answers_the_readme_query(trained):
+    config, _, root = trained
+    table = run_query(root.path, "select iteration, count(*) as n, avg(reward) as r from rewards group by 1 order by 1")
+    assert table.column("iteration").to_pylist() == list(range(config.iterations))
+    steps = run_query(root.path, "select iteration, count(*) as n from steps group by 1 order by 1")
+    assert table.column("n").to_pylist() == steps.column("n").to_pylist()
+
+
+def test_mlflow_has_the_run_metrics_and_one_model_version_per_iteration(trained):
+    config, result, _ = trained
+    client = MlflowClient(result.tracking_uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert run.data.params["algorithm.estimator"] == "grpo"
+    for metric in ("mean_reward", "em", "steps_per_episode", "loss", "kl", "rollout_tokens_per_s", "train_tokens_per_s"):
+        history = client.get_metric_history(result.mlflow_run_id, metric)
+        assert [m.step for m in history] == list(range(config.iterations)), metric
+    versions = client.search_model_versions(f"name='{result.model_name}'")
+    assert sorted(int(v.version) for v in versions) == list(range(1, config.iterations + 1))
+    assert result.model_version == config.iterations
+
+
+def test_rerun_one_stage_rewrites_only_its_table(trained):
+    _, _, root = trained
+    run = root.run("e2e")
+    before = {t: Path(run.table_uri(0, t)).read_bytes() for t in RUN_TABLES}
+    rerun_stage(str(root.path), "e2e", 0, "compute_advantages", ["algorithm.estimator=rloo"])
+    after = {t: Path(run.table_uri(0, t)).read_bytes() for t in RUN_TABLES}
+    assert {t for t in RUN_TABLES if before[t] != after[t]} == {"advantages"}
+    estimators = read_table("advantages", run.table_uri(0, "advantages")).column("estimator").to_pylist()
+    assert set(estimators) == {"rloo"}
+
+
+def test_cli_query_prints_the_table_and_writes_csv(trained, capsys, tmp_path):
+    _, _, root = trained
+    sql = "select iteration, count(*) as steps from steps group by 1 order by 1"
+    assert cli_main(["query", "--data-root", str(root.path), sql]) == 0
+    printed = capsys.readouterr().out
+    assert "iteration" in printed and "steps" in printed
+    out = tmp_path / "result.csv"
+    assert cli_main(["query", "--data-root", str(root.path), sql, "--output", str(out)]) == 0
+    assert out.read_text().splitlines()[0].replace('"', "") == "iteration,steps"
+
+
+def test_cli_reports_config_typos_without_a_traceback(capsys, tmp_path):
+    code = cli_main(["train", "--data-root", str(tmp_path), "--set", "rollout.grup_size=2"])
+    assert code == 2
+    assert "grup_size" in capsys.readouterr().err
