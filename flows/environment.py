@@ -24,6 +24,8 @@ def configure_environment(data_root: str | Path) -> None:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # per-file "Loading weights" bars from transformers drown the stage progress lines
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)

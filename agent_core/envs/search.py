@@ -9,6 +9,7 @@ PyStemmer is not a dependency, and made-up entity names must match exactly anywa
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Sequence
 
@@ -16,6 +17,9 @@ import bm25s
 from bm25s.stopwords import STOPWORDS_EN
 
 from agent_core.types import Document
+
+# bm25s sets its own logger to DEBUG at import, which prints a line per index build.
+logging.getLogger("bm25s").setLevel(logging.WARNING)
 
 _WORD = re.compile(r"(?u)\b\w\w+\b")
 _STOPWORDS = frozenset(STOPWORDS_EN)
