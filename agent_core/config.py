@@ -64,6 +64,13 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_batch_size: int = Field(64, ge=1, description="sequences per engine forward pass")
+    context_mode: Literal["append", "last_k"] = Field(
+        "append", description="append: every turn stays in context; last_k: keep the opening and the last turns"
+    )
+    keep_last_turns: int = Field(2, ge=1, description="turns kept by context_mode=last_k")
+    max_observation_tokens: int | None = Field(None, ge=1, description="cut each observation to this many tokens")
+    env_workers: int = Field(8, ge=1, description="threads running env steps (tool calls) concurrently")
+    straggler_wait_s: float = Field(2.0, ge=0, description="how long a batch waits for slow tool calls")
 
     @field_validator("engine")
     @classmethod

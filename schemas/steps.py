@@ -3,7 +3,9 @@
 Cross-row rules, checked with Arrow group-bys rather than a loop over episodes:
 - (episode_id, step_idx) is unique and step_idx runs 0..n-1 within each episode;
 - `done` is True exactly on the last step of each episode (so each episode has one done row);
-- `termination` is set iff `done`; `prefix_shared` is False on the done row (no next context).
+- `termination` is set iff `done`; `truncated` is True iff the termination is a budget cut-off
+  (max_steps, max_context), so truncated and terminated episodes are told apart (e.g. for
+  bootstrapping); `prefix_shared` is False on the done row (no next context).
 `response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
 rounding of values near zero. Row id in errors: `<episode_id>/<step_idx>`.
 """
@@ -37,6 +39,7 @@ from schemas._base import (
 )
 
 TERMINATIONS = ("answered", "max_steps", "max_context", "error")
+TRUNCATIONS = ("max_steps", "max_context")  # budget cut-offs: truncated, not terminated
 FINISH_REASONS = ("stop", "length")
 LOGPROB_MAX = 1e-4
 JSON_LIST = JsonShape("JSON list", "list", lambda value: isinstance(value, list))
@@ -57,6 +60,11 @@ def _done_on_last_step(t: pa.Table) -> pa.Array:
     groups, group_of_row = per_group(t, "episode_id", [("step_idx", "max")])
     is_last = pc.equal(t["step_idx"], pc.take(groups["step_idx_max"], group_of_row))
     return pc.equal(t["done"], is_last)
+
+
+def _truncated_iff_budget(t: pa.Table) -> pa.Array:
+    by_budget = pc.fill_null(pc.is_in(t["termination"], value_set=pa.array(TRUNCATIONS, pa.string())), False)
+    return pc.equal(t["truncated"], by_budget)
 
 
 def _not_shared_when_done(t: pa.Table) -> pa.Array:
@@ -82,6 +90,7 @@ class StepsModel(ArrowModel):
     env_reward: FLOAT64 = Field()
     done: BOOL = Field()
     termination: STRING = Field(nullable=True)
+    truncated: BOOL = Field()
     finish_reason: STRING = Field()
     prefix_shared: BOOL = Field()
     info: STRING = Field()
@@ -107,6 +116,9 @@ class StepsModel(ArrowModel):
     _done_on_last_step = row_check("done", "exactly one done row per episode, on its last step", _done_on_last_step)
     _termination_known = row_check("termination", f"one of {', '.join(TERMINATIONS)}", one_of("termination", TERMINATIONS))
     _termination_iff_done = row_check("termination", "set iff done", set_iff("termination", "done"))
+    _truncated_iff_budget = row_check(
+        "truncated", f"True iff termination is one of {', '.join(TRUNCATIONS)}", _truncated_iff_budget
+    )
     _finish_reason_known = row_check(
         "finish_reason", f"one of {', '.join(FINISH_REASONS)}", one_of("finish_reason", FINISH_REASONS)
     )

@@ -14,6 +14,7 @@ from agent_core.io.layout import RunLayout
 from agent_core.io.tables import read_table, write_table
 from agent_core.rollout.agent_loop import LoopSettings, run_episodes
 from agent_core.rollout.chat import eos_token_ids
+from agent_core.rollout.context import ContextPolicy
 from agent_core.rollout.engine import SamplingParams
 from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 from tasks._common import stage_logger, stage_task
@@ -35,6 +36,8 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     settings = LoopSettings(
         group_size=cfg.group_size, max_steps=cfg.max_steps, max_context_tokens=cfg.max_context_tokens,
         policy_version=iteration, episode_prefix=f"{run.run_id}-i{iteration}-",
+        context=ContextPolicy(cfg.context_mode, cfg.keep_last_turns, cfg.max_observation_tokens),
+        env_workers=cfg.env_workers, straggler_wait_s=cfg.straggler_wait_s,
     )
     try:
         records = run_episodes(

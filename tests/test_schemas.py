@@ -28,7 +28,7 @@ EXPECTED_SCHEMAS = {
               ("response_ids", pa.list_(I32), False), ("response_logprobs", pa.list_(F32), False),
               ("response_text", S, False), ("tool_calls", S, False), ("parse_error", S, True),
               ("observation_text", S, False), ("env_reward", F64, False), ("done", B, False),
-              ("termination", S, True), ("finish_reason", S, False), ("prefix_shared", B, False), ("info", S, False)],
+              ("termination", S, True), ("truncated", B, False), ("finish_reason", S, False), ("prefix_shared", B, False), ("info", S, False)],
     "rewards": [("run_id", S, False), ("iteration", I32, False), ("episode_id", S, False), ("group_id", S, False),
                 ("prompt_id", S, False), ("sample_idx", I32, False), ("step_idx", I32, False),
                 ("process_reward", F64, False), ("outcome_reward", F64, False), ("reward", F64, False),
@@ -76,7 +76,7 @@ def steps_rows() -> list[dict]:
                 "response_ids": [4, 5], "response_logprobs": [-0.5, 0.0], "response_text": "<search>x</search>",
                 "tool_calls": "[]" if done else json.dumps([{"name": "search", "arguments": {"query": "a, [b]"}}]),
                 "parse_error": None, "observation_text": "" if done else "<result>...</result>", "env_reward": 0.0,
-                "done": done, "termination": "answered" if done else None, "finish_reason": "stop",
+                "done": done, "termination": "answered" if done else None, "truncated": False, "finish_reason": "stop",
                 "prefix_shared": not done, "info": json.dumps({"doc_ids": ["d1"], "note": "x\ny"}),
             })
     return rows
@@ -178,6 +178,9 @@ STEPS_CASES = [
     (_set(termination=None), 2, "termination", "set iff done", "ep-0/2"),
     (_set(termination="error"), 1, "termination", "set iff done", "ep-0/1"),
     (_set(prefix_shared=True), 5, "prefix_shared", "False on the done row", "ep-1/2"),
+    (_set(termination="max_steps"), 5, "truncated", "True iff termination is one of max_steps, max_context", "ep-1/2"),
+    (_set(truncated=True), 2, "truncated", "True iff termination is one of max_steps, max_context", "ep-0/2"),
+    (_set(truncated=True), 1, "truncated", "True iff termination is one of max_steps, max_context", "ep-0/1"),
     (_set(done=False, termination=None), 5, "done", "exactly one done row per episode, on its last step", "ep-1/2"),
     (_set(done=True, termination="error", prefix_shared=False), 3, "done",
      "exactly one done row per episode, on its last step", "ep-1/0"),
@@ -468,6 +471,7 @@ def _big_steps_table(episodes: int, steps_per_episode: int) -> pa.Table:
         "parse_error": pa.nulls(n, pa.string()), "observation_text": pa.array(["obs"] * n),
         "env_reward": pa.array([0.0] * n), "done": pa.array(done),
         "termination": pa.array(["answered" if d else None for d in done], pa.string()),
+        "truncated": pa.array([False] * n),
         "finish_reason": pa.array(["stop"] * n), "prefix_shared": pa.array([not d for d in done]),
         "info": pa.array([f'{{"doc_ids": ["d{i}"], "n": {i}}}' for i in range(n)]),
     }

@@ -14,6 +14,8 @@ class StepRecord:
         distribution, one for one.
     prefix_shared: the next step's context is prompt_ids + response_ids + observation tokens, so
         the episode's steps can be packed into one training sequence. False on the last step.
+    truncated: the episode was cut off by a budget here (termination max_steps / max_context),
+        as opposed to ended by the task (answered) or by an error; only on the done row.
     tool_calls / info: JSON text.
     """
 
@@ -33,6 +35,7 @@ class StepRecord:
     env_reward: float
     done: bool
     termination: str | None
+    truncated: bool
     finish_reason: str
     prefix_shared: bool
     info: str

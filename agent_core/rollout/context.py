@@ -1,0 +1,88 @@
+"""Context management: how an episode's next context is built from its turns (DESIGN.md §2).
+
+Context management is part of the transition, so what the policy is trained on is exactly what it
+saw: the agent loop records the ids this module returns as the step's `prompt_ids`. Everything is
+token ids; an action is never decoded and re-encoded.
+
+An episode's context is its `head` (the opening conversation ending with the generation prompt)
+followed by its turns, each turn being `action ids + observation ids` where the observation ids
+carry the template's glue (end of the assistant turn, the observation turn, the next generation
+prompt). Any suffix of whole turns after the head is therefore a well-formed conversation too.
+
+Modes:
+- "append" (default): head + every turn. Each context extends the previous one (prefix_shared),
+  so an episode can be packed into one training sequence.
+- "last_k": head + the last `keep_last_turns` turns. Once a turn is dropped the next context no
+  longer extends the previous one, and the step records prefix_shared=False.
+Independently, `max_observation_tokens` cuts each observation's text before it is rendered (see
+`truncate_text`), and the loop ends an episode whose next context would not fit the budget.
+
+Where this differs from Agent-R1: the paper's context is always append-everything; the window and
+the observation cut are the kinds of context management its MDP formulation allows for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+ContextMode = Literal["append", "last_k"]
+CONTEXT_MODES: tuple[str, ...] = ("append", "last_k")
+
+TRUNCATION_MARKER = " ...[truncated]"
+
+
+@dataclass(frozen=True)
+class ContextPolicy:
+    """mode: "append" or "last_k"; keep_last_turns: turns kept by "last_k" (>= 1);
+    max_observation_tokens: cut each observation's text to this many tokens (None = no cut)."""
+
+    mode: str = "append"
+    keep_last_turns: int = 2
+    max_observation_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in CONTEXT_MODES:
+            raise ValueError(f"unknown context mode {self.mode!r}; valid modes: {', '.join(CONTEXT_MODES)}")
+        if self.keep_last_turns < 1:
+            raise ValueError(f"keep_last_turns must be >= 1, got {self.keep_last_turns}")
+        if self.max_observation_tokens is not None and self.max_observation_tokens < 1:
+            raise ValueError(f"max_observation_tokens must be >= 1 or None, got {self.max_observation_tokens}")
+
+
+@dataclass
+class EpisodeContext:
+    """The token pieces of one episode; `ids()` is the context the next LLM call receives."""
+
+    head: list[int]
+    turns: list[list[int]] = field(default_factory=list)
+
+    def add_turn(self, action_ids: list[int], observation_ids: list[int]) -> None:
+        self.turns.append([*action_ids, *observation_ids])
+
+    def ids(self, policy: ContextPolicy) -> list[int]:
+        kept = self.turns if policy.mode == "append" else self.turns[-policy.keep_last_turns:]
+        out = list(self.head)
+        for turn in kept:
+            out.extend(turn)
+        return out
+
+
+def extends(context: list[int], previous: list[int]) -> bool:
+    """True when `context` starts with `previous` (the steps can then share one sequence)."""
+    return len(context) >= len(previous) and context[: len(previous)] == previous
+
+
+def truncate_text(tokenizer, text: str, max_tokens: int | None) -> tuple[str, int]:
+    """`text` cut to its first `max_tokens` tokens plus a visible marker; returns (text, tokens cut).
+
+    An observation is env text, not policy output, so decoding its kept tokens back to text is
+    safe: the loop renders the returned text and records the ids the engine then receives.
+    """
+    if max_tokens is None or not text:
+        return text, 0
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= max_tokens:
+        return text, 0
+    kept = tokenizer.decode(ids[:max_tokens], skip_special_tokens=False)
+    return kept + TRUNCATION_MARKER, len(ids) - max_tokens
