@@ -1,0 +1,321 @@
+"""The tool layer: `Tool`s the policy can call by name, and `execute_call`, which never crashes an episode.
+
+Two ways to declare a tool:
+
+1. `@function_tool` on a typed function with a docstring; the JSON schema comes from the type
+   hints and the Google-style `Args:` section, the description from the docstring's summary::
+
+       @function_tool(timeout_s=5.0)
+       def lookup(title: str, max_chars: int = 500) -> str:
+           '''Fetch a page by its exact title.
+
+           Args:
+               title: The page title, as shown in search results.
+               max_chars: Cut the page after this many characters.
+           '''
+
+2. A `Tool` subclass with explicit `name`, `description` and `parameters` (a JSON schema of an
+   object, OpenAI function-calling format) and an `execute` method; see `builtin_tools.SearchTool`.
+   A subclass that overrides `__init__` must call `super().__init__()`, which validates the
+   declaration.
+
+`execute_call` turns everything the model or the tool can get wrong (unknown tool, bad arguments,
+an exception, a timeout) into a `ToolCallOutcome` whose text the model sees next turn. Timeouts
+run `execute` in a daemon thread and stop *waiting* for it: a Python thread cannot be killed, so a
+timed-out tool keeps running in the background. Tools doing heavy CPU work or anything unbounded
+must enforce their own limits (the python tool runs code in a subprocess it can kill; the
+calculator bounds expression size and exponents).
+
+Tools are registered by name in `TOOLS` as factories `(resources, **kwargs) -> Tool`. The built-in
+tools (`agent_core.envs.builtin_tools`) are imported at the bottom of this module, so importing
+this module is enough to see them in `TOOLS`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import json
+import math
+import re
+import threading
+import time
+import traceback
+import typing
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Protocol
+
+from jsonschema import Draft202012Validator, SchemaError, ValidationError
+
+from agent_core.registry import Registry
+
+if typing.TYPE_CHECKING:
+    from agent_core.envs.search import Bm25Index
+
+TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+ERROR_KINDS = ("unknown_tool", "bad_arguments", "exception", "timeout")
+ErrorKind = Literal["unknown_tool", "bad_arguments", "exception", "timeout"]
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a tool returns. reward: a process reward for this call; info: kept in the steps table."""
+
+    text: str
+    reward: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise TypeError(f"ToolResult.text must be a str, got {type(self.text).__name__}")
+        if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
+            raise ValueError(f"ToolResult.reward must be a finite number, got {self.reward!r}")
+
+
+class Tool:
+    """A callable capability the policy invokes by name with JSON arguments.
+
+    Subclasses set `name`, `description`, `parameters` (and optionally `timeout_s`) as class
+    attributes or pass them to `__init__`, and implement `execute`. `execute` receives arguments
+    already validated against `parameters`; returning a str means `ToolResult(text=...)`.
+    """
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    timeout_s: float | None = None  # None: execute_call's default_timeout_s applies
+
+    def __init__(
+        self,
+        name: str | None = None,
+        description: str | None = None,
+        parameters: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ):
+        self.name = name if name is not None else getattr(self, "name", None)
+        self.description = description if description is not None else getattr(self, "description", None)
+        self.parameters = parameters if parameters is not None else getattr(self, "parameters", None)
+        self.timeout_s = timeout_s if timeout_s is not None else getattr(self, "timeout_s", None)
+        self._validator = _checked_declaration(self)
+
+    def execute(self, arguments: dict[str, Any]) -> ToolResult | str:
+        raise NotImplementedError(f"tool {self.name!r} ({type(self).__name__}) does not implement execute()")
+
+    def spec(self) -> dict[str, Any]:
+        """The OpenAI function-calling declaration (what chat templates render into the system prompt)."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+    def validation_errors(self, arguments: Any) -> list[ValidationError]:
+        return list(self._validator.iter_errors(arguments))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _checked_declaration(tool: Tool) -> Draft202012Validator:
+    where = f"tool {tool.name!r} ({type(tool).__name__})"
+    if not isinstance(tool.name, str) or not TOOL_NAME_PATTERN.match(tool.name):
+        raise ValueError(f"{where}: name must match {TOOL_NAME_PATTERN.pattern} (letters, digits, _ and -, at most 64)")
+    if not isinstance(tool.description, str) or not tool.description.strip():
+        raise ValueError(f"{where}: description must be a non-empty string (the model reads it to pick the tool)")
+    timeout_ok = isinstance(tool.timeout_s, (int, float)) and not isinstance(tool.timeout_s, bool) and tool.timeout_s > 0
+    if tool.timeout_s is not None and not timeout_ok:
+        raise ValueError(f"{where}: timeout_s must be a positive number of seconds or None, got {tool.timeout_s!r}")
+    if not isinstance(tool.parameters, dict) or tool.parameters.get("type") != "object":
+        raise ValueError(
+            f"{where}: parameters must be a JSON schema dict with \"type\": \"object\", got {tool.parameters!r}"
+        )
+    try:
+        Draft202012Validator.check_schema(tool.parameters)
+    except SchemaError as exc:
+        path = "/".join(map(str, exc.absolute_path)) or "(root)"
+        raise ValueError(f"{where}: parameters is not a valid JSON schema at {path}: {exc.message}") from None
+    return Draft202012Validator(tool.parameters)
+
+
+# ---- execute_call: one call, every failure becomes an observation --------------------------------
+
+
+@dataclass(frozen=True)
+class ToolCallOutcome:
+    """The result of one tool call as the episode sees it.
+
+    text: what the model sees next (the result, or an error message). reward: the tool's process
+    reward, or error_reward for an error. error_kind: None when ok, else one of ERROR_KINDS.
+    info: the tool's info plus "truncated_chars"; "traceback" for an exception.
+    """
+
+    name: str
+    arguments: dict[str, Any]
+    ok: bool
+    text: str
+    reward: float
+    error_kind: ErrorKind | None
+    latency_s: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class _ToolError(Exception):
+    def __init__(self, kind: ErrorKind, message: str, info: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.kind, self.message, self.info = kind, message, info or {}
+
+
+def execute_call(tools: Mapping[str, Tool], name: Any, arguments: Any, *, default_timeout_s: float,
+                 error_reward: float = 0.0, max_result_chars: int = 4000) -> ToolCallOutcome:
+    """Run tool `name` with `arguments`; never raises for anything the model or the tool did.
+
+    The timeout is the tool's `timeout_s`, else `default_timeout_s`. Text longer than
+    `max_result_chars` is cut and ends with a "[truncated N chars]" marker (beyond the cap).
+    """
+    if not default_timeout_s > 0 or max_result_chars < 1:
+        raise ValueError(
+            f"default_timeout_s must be > 0 and max_result_chars >= 1, got {default_timeout_s}, {max_result_chars}"
+        )
+    started = time.perf_counter()
+    recorded_arguments = arguments if isinstance(arguments, dict) else {}
+    try:
+        tool = _lookup(tools, name)
+        _check_arguments(tool, arguments)
+        result = _run_with_timeout(tool, arguments, tool.timeout_s or default_timeout_s)
+        ok, text, reward, error_kind, info = True, result.text, float(result.reward), None, dict(result.info)
+    except _ToolError as error:
+        ok, text, reward, error_kind, info = False, f"Error: {error.message}", error_reward, error.kind, error.info
+    text, info["truncated_chars"] = _truncate(text, max_result_chars)
+    return ToolCallOutcome(
+        name=str(name), arguments=recorded_arguments, ok=ok, text=text, reward=reward,
+        error_kind=error_kind, latency_s=time.perf_counter() - started, info=info,
+    )
+
+
+def _lookup(tools: Mapping[str, Tool], name: Any) -> Tool:
+    if isinstance(name, str) and name in tools:
+        return tools[name]
+    available = ", ".join(sorted(tools)) or "(none)"
+    raise _ToolError("unknown_tool", f"unknown tool {name!r}. Available tools: {available}")
+
+
+def _check_arguments(tool: Tool, arguments: Any) -> None:
+    if not isinstance(arguments, dict):
+        message = f"arguments for tool {tool.name!r} must be a JSON object, got {_json_type(arguments)}"
+        raise _ToolError("bad_arguments", message)
+    try:
+        errors = sorted(tool.validation_errors(arguments), key=lambda error: list(map(str, error.absolute_path)))
+    except Exception as exc:  # noqa: BLE001 - e.g. an unresolvable $ref in the tool's own schema
+        raise _ToolError("exception", f"tool {tool.name!r} could not check its arguments: {type(exc).__name__}: {exc}")
+    if errors:
+        problems = "; ".join(dict.fromkeys(_describe(error) for error in errors[:3]))
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise _ToolError("bad_arguments", f"invalid arguments for tool {tool.name!r}: {problems}{more}")
+
+
+def _describe(error: ValidationError) -> str:
+    """One short, readable line per schema violation (not jsonschema's full dump)."""
+    where = "argument " + repr(".".join(map(str, error.absolute_path))) if error.absolute_path else "arguments"
+    if error.validator == "required":
+        missing = [key for key in error.validator_value if key not in error.instance]
+        return f"missing required argument {', '.join(map(repr, missing))}"
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        allowed = set(error.schema.get("properties", {}))
+        extra = sorted(key for key in error.instance if key not in allowed)
+        return f"unexpected argument {', '.join(map(repr, extra))} (valid: {', '.join(sorted(allowed)) or 'none'})"
+    if error.validator == "type":
+        expected = error.validator_value
+        expected = expected if isinstance(expected, str) else " or ".join(expected)
+        return f"{where} must be {expected}, got {_json_type(error.instance)} {_short(error.instance)}"
+    if error.validator == "enum":
+        return f"{where} must be one of {', '.join(map(_short, error.validator_value))}; got {_short(error.instance)}"
+    return f"{where}: {_short(error.instance)} fails {error.validator} {_short(error.validator_value)}"
+
+
+def _json_type(value: Any) -> str:
+    for python_type, json_type in ((bool, "boolean"), (str, "string"), (int, "integer"), (float, "number"),
+                                   (list, "array"), (dict, "object"), (type(None), "null")):
+        if isinstance(value, python_type):
+            return json_type
+    return type(value).__name__
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _run_with_timeout(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> ToolResult:
+    # A daemon thread per call (not a shared executor): executor threads are joined at interpreter
+    # exit, so one stuck tool would hang the process; a daemon thread is simply abandoned.
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(tool.execute(arguments))
+        except BaseException as exc:  # noqa: BLE001 - whatever the tool does, the episode goes on
+            future.set_exception(exc)
+
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(run,), name=f"tool-{tool.name}", daemon=True).start()
+    try:
+        # exception() rather than result(): a KeyboardInterrupt in *this* thread must propagate.
+        exc = future.exception(timeout=None if math.isinf(timeout_s) else timeout_s)
+    except FutureTimeoutError:
+        message = f"tool {tool.name!r} timed out after {timeout_s:g} s"
+        raise _ToolError("timeout", message, {"timeout_s": timeout_s}) from None
+    if exc is not None:
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        raise _ToolError("exception", f"{type(exc).__name__}: {exc}", {"traceback": trace})
+    result = future.result()
+    if isinstance(result, str):
+        return ToolResult(text=result)
+    if not isinstance(result, ToolResult):
+        message = f"TypeError: tool {tool.name!r} returned {type(result).__name__}; expected ToolResult or str"
+        raise _ToolError("exception", message)
+    return result
+
+
+def _truncate(text: str, max_chars: int) -> tuple[str, int]:
+    cut = len(text) - max_chars
+    return (text, 0) if cut <= 0 else (f"{text[:max_chars]}\n[truncated {cut} chars]", cut)
+
+
+# ---- the registry of tool factories ----------------------------------------------------------------
+
+
+class ToolResources(Protocol):
+    """What tool factories may use (agent_core.envs.registry.EnvResources satisfies it)."""
+
+    @property
+    def search_index(self) -> Bm25Index | None: ...  # read-only, so frozen dataclasses qualify
+
+
+ToolFactory = Callable[..., Tool]  # (resources: ToolResources, **kwargs) -> Tool
+
+TOOLS: Registry[ToolFactory] = Registry("tool")
+
+
+def tool_kwarg_names(name: str) -> list[str]:
+    """The keyword arguments tool factory `name` accepts (UnknownNameError for an unknown tool)."""
+    parameters = list(inspect.signature(TOOLS.get(name)).parameters.values())[1:]  # after resources
+    return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def make_tool(name: str, kwargs: Mapping[str, Any], resources: ToolResources) -> Tool:
+    """Build registered tool `name` with `kwargs`; TypeError names the tool and valid kwargs on a bad key."""
+    valid = tool_kwarg_names(name)
+    unexpected = sorted(set(kwargs) - set(valid))
+    if unexpected:
+        raise TypeError(
+            f"tool {name!r} got unexpected argument(s) {', '.join(map(repr, unexpected))}; "
+            f"valid arguments: {', '.join(valid) or '(none)'}"
+        )
+    return TOOLS.get(name)(resources, **kwargs)
+
+
+# Registers the built-in tools in TOOLS; at the bottom because builtin_tools imports this module.
+from agent_core.envs.function_tool import FunctionTool, function_tool  # noqa: E402,F401  (re-exported)
+from agent_core.envs import builtin_tools as _builtin_tools  # noqa: E402,F401
+from agent_core.envs import sandbox as _sandbox  # noqa: E402,F401  (registers the python tool)
