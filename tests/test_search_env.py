@@ -1,27 +1,18 @@
-"""The tag action format, BM25 search, the search_qa env and the env registry, on a real corpus
-(the synthetic task) with a real bm25s index."""
+"""BM25 search, the search_qa env (the search tool in a ToolEnv, tag or hermes format) and the env
+registry, on a real corpus (the synthetic task) with a real bm25s index. The formats' own parsing
+is tested in tests/test_formats.py."""
 
 from __future__ import annotations
 
-import random
+import json
 import re
 
 import pytest
 
 from agent_core.data.synthetic import generate_synthetic_qa
-from agent_core.envs.base import ToolCall
 from agent_core.envs.registry import ENVS, EnvResources, make_env
 from agent_core.envs.search import Bm25Index
-from agent_core.envs.search_qa import SearchQAEnv, render_passage
-from agent_core.envs.tag_format import (
-    ACTION_KINDS,
-    FORMAT_HINT,
-    ParsedAction,
-    format_answer,
-    format_information,
-    format_search,
-    parse_action,
-)
+from agent_core.envs.tool_env import ToolEnv
 from agent_core.registry import UnknownNameError
 from agent_core.rewards.qa import exact_match
 
@@ -34,82 +25,6 @@ def task():
 @pytest.fixture(scope="module")
 def index(task):
     return Bm25Index(task.documents)
-
-
-# ---- tag format -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("text", ["Tessa Dunmar", "director of Varo Kelmin", "1987"])
-def test_round_trips(text):
-    assert parse_action(format_search(text)) == ParsedAction("search", text, None)
-    assert parse_action(format_answer(text)) == ParsedAction("answer", text, None)
-
-
-def test_content_is_stripped_and_surrounding_text_ignored():
-    assert parse_action("I think.\n<search>  Quillport \n</search> then more") == ParsedAction("search", "Quillport")
-    action = parse_action("<search>q</search><information>made up</information><answer>x</answer>")
-    assert action == ParsedAction("search", "q")
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("<answer>Norveth</answer><search>q</search>", ParsedAction("answer", "Norveth")),
-        ("<search>q</search><answer>Norveth</answer>", ParsedAction("search", "q")),
-        # An answer after an unclosed search tag does not count: the first tag opened decides.
-        ("<search>q <answer>Norveth</answer>", ParsedAction("invalid", "", "unclosed <search> tag")),
-        ("<answer>Norveth <search>q</search>", ParsedAction("search", "q")),
-        ("<answer>a</answer><answer>b</answer>", ParsedAction("answer", "a")),
-    ],
-)
-def test_which_tag_wins(text, expected):
-    assert parse_action(text) == expected
-
-
-@pytest.mark.parametrize(
-    "text, error",
-    [
-        ("<search></search>", "empty search query"),
-        ("<search>  \n </search>", "empty search query"),
-        ("<answer> </answer>", "empty answer"),
-        ("<search>Quillport", "unclosed <search> tag"),
-        ("<answer>Quillport", "unclosed <answer> tag"),
-        ("Quillport</answer>", "no <search> or <answer> tag"),
-        ("just words", "no <search> or <answer> tag"),
-        ("", "no <search> or <answer> tag"),
-        ("<SEARCH>q</SEARCH>", "no <search> or <answer> tag"),
-    ],
-)
-def test_invalid_actions(text, error):
-    assert parse_action(text) == ParsedAction("invalid", "", error)
-
-
-def test_non_text_is_invalid_not_an_exception():
-    assert parse_action(None).kind == "invalid"  # type: ignore[arg-type]
-
-
-def test_parser_never_raises_on_random_fragment_soup():
-    rng = random.Random(0)
-    fragments = ["<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>",
-                 "<", ">", "/", " ", "\n", "Tessa", "Dunmar", "x", "é", "\x00", "<search", "answer>", ""]
-    kinds = set()
-    for _ in range(10_000):
-        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 12)))
-        action = parse_action(text)
-        assert action.kind in ACTION_KINDS
-        kinds.add(action.kind)
-        if action.kind == "invalid":
-            assert action.error and action.content == ""
-        else:
-            assert action.error is None and action.content and action.content == action.content.strip()
-            # The content was really written between an opening and a closing tag of its kind.
-            assert re.search(f"<{action.kind}>\\s*{re.escape(action.content)}\\s*</{action.kind}>", text)
-    assert kinds == set(ACTION_KINDS)
-
-
-def test_format_information():
-    assert format_information(["a: b", "c: d"]) == "<information>a: b\nc: d</information>"
-    assert format_information([]) == "<information>no results</information>"
 
 
 # ---- BM25 -------------------------------------------------------------------------------------
@@ -146,39 +61,53 @@ def test_index_argument_errors(index):
 # ---- env --------------------------------------------------------------------------------------
 
 
-def test_reset_returns_the_prompt_messages(task, index):
-    env = SearchQAEnv(index)
-    assert env.observation_role == "user"
-    assert env.reset(task.prompts[0]) == task.prompts[0].messages
+def _search_qa(index, **kwargs) -> ToolEnv:
+    return make_env("search_qa", kwargs, EnvResources(search_index=index))
+
+
+def test_reset_adds_the_tool_instructions_to_the_prompt(task, index):
+    prompt = task.prompts[0]
+    messages = _search_qa(index).reset(prompt)
+    assert messages[1:] == prompt.messages[1:] and messages[0].content.startswith(prompt.messages[0].content)
+    assert "<search>" in messages[0].content and "<answer>" in messages[0].content
+    hermes = _search_qa(index, tool_format="hermes").reset(prompt)[0].content
+    assert "<tool_call>" in hermes and '"name": "search"' in hermes
 
 
 def test_search_step(task, index):
     prompt = task.prompts[0]
     first_doc_id = prompt.metadata["supporting_doc_ids"][0]
     first_doc = next(d for d in task.documents if d.doc_id == first_doc_id)
-    env = SearchQAEnv(index, top_k=2)
+    env = _search_qa(index, top_k=2)
     env.reset(prompt)
     step = env.step(f"<search>{first_doc.title}</search>")
     assert not step.done and step.termination is None and step.reward == 0.0 and step.parse_error is None
-    assert step.tool_calls == (ToolCall("search", {"query": first_doc.title}),)
-    assert 1 <= step.info["num_results"] == len(step.info["doc_ids"]) <= 2
-    assert step.info["doc_ids"][0] == first_doc_id
+    assert [(c.name, c.arguments, c.ok) for c in step.tool_calls] == [("search", {"query": first_doc.title}, True)]
+    assert 1 <= len(step.info["doc_ids"]) <= 2 and step.info["doc_ids"][0] == first_doc_id
     assert step.observation.startswith("<information>") and step.observation.endswith("</information>")
-    assert render_passage(first_doc) in step.observation.splitlines()[0]
+    assert f"({first_doc.title}): {first_doc.text}" in step.observation
+
+
+def test_hermes_search_step_finds_the_same_documents(task, index):
+    title = task.documents[0].title
+    tag = _search_qa(index).step(f"<search>{title}</search>")
+    call = json.dumps({"name": "search", "arguments": {"query": title}})
+    hermes = _search_qa(index, tool_format="hermes").step(f"<tool_call>{call}</tool_call>")
+    assert hermes.info["doc_ids"] == tag.info["doc_ids"] and "<tool_response>" in hermes.observation
 
 
 def test_answer_step(index):
-    step = SearchQAEnv(index).step("<answer> Norveth </answer>")
+    step = _search_qa(index).step("<answer> Norveth </answer>")
     assert step.done and step.termination == "answered" and step.observation == ""
     assert step.info == {"answer": "Norveth", "format_ok": True} and step.tool_calls == () and step.reward == 0.0
 
 
 @pytest.mark.parametrize("penalty", [0.0, 0.25])
 def test_invalid_step(index, penalty):
-    step = SearchQAEnv(index, invalid_action_penalty=penalty).step("<search>Quillport")
+    step = _search_qa(index, invalid_action_penalty=penalty).step("<search>Quillport")
     assert not step.done and step.reward == -penalty
-    assert step.parse_error == "unclosed <search> tag" and step.info == {"format_ok": False}
-    assert "unclosed <search> tag" in step.observation and FORMAT_HINT in step.observation
+    assert "unclosed_tag" in step.parse_error and step.info["format_ok"] is False
+    assert "Invalid action" in step.observation and "<answer>" in step.observation
 
 
 def test_scripted_two_hop_episodes_reach_the_right_answer(task, index):
@@ -192,11 +121,11 @@ def test_scripted_two_hop_episodes_reach_the_right_answer(task, index):
         env = make_env(prompt.env_name, prompt.env_kwargs, EnvResources(search_index=index))
         env.reset(prompt)
         first_relation, second_relation = hops[prompt.metadata["template"]]
-        observation = env.step(format_search(entity)).observation
+        observation = env.step(f"<search>{entity}</search>").observation
         bridge = re.search(f"{re.escape(entity)} .*?{first_relation} ([^.]+)\\.", observation)[1]
-        observation = env.step(format_search(bridge)).observation
+        observation = env.step(f"<search>{bridge}</search>").observation
         answer = re.search(f"{re.escape(bridge)} {second_relation} ([^.]+)\\.", observation)[1]
-        final = env.step(format_answer(answer))
+        final = env.step(f"<answer>{answer}</answer>")
         assert final.done and final.termination == "answered"
         solved += exact_match(final.info["answer"], prompt.answers)
     assert solved == sum(p.metadata["template"] in hops for p in task.prompts) > 50
@@ -207,7 +136,8 @@ def test_scripted_two_hop_episodes_reach_the_right_answer(task, index):
 
 def test_make_env_builds_search_qa(index):
     env = make_env("search_qa", {"top_k": 2, "invalid_action_penalty": 0.1}, EnvResources(search_index=index))
-    assert isinstance(env, SearchQAEnv) and env.top_k == 2 and env.invalid_action_penalty == 0.1
+    assert isinstance(env, ToolEnv) and list(env.tools) == ["search"] and env.tools["search"].default_top_k == 2
+    assert env.invalid_action_penalty == 0.1
     assert "search_qa" in ENVS.names()
 
 
@@ -217,7 +147,7 @@ def test_unknown_env_lists_valid_names(index):
 
 
 def test_bad_env_kwarg_names_env_and_key(index):
-    with pytest.raises(TypeError, match=r"'search_qa'.*'topk'.*valid arguments: top_k, invalid_action_penalty"):
+    with pytest.raises(TypeError, match=r"'search_qa'.*'topk'.*valid arguments: top_k, tool_format"):
         make_env("search_qa", {"topk": 3}, EnvResources(search_index=index))
 
 

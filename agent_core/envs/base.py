@@ -17,8 +17,15 @@ TERMINATIONS = ("answered", "max_steps", "max_context", "error")
 
 @dataclass(frozen=True)
 class ToolCall:
+    """One call an action made, and how it went (stored in the steps table's tool_calls JSON).
+
+    error_kind: None, or unknown_tool / bad_arguments / exception / timeout."""
+
     name: str
     arguments: dict[str, Any]
+    ok: bool = True
+    error_kind: str | None = None
+    latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,8 @@ class EnvStep:
     """The env's answer to one action.
 
     observation: text of the next turn shown to the model ("" when done).
+    observation_messages: the observation as chat messages, when it is not one message of the env's
+        observation_role (e.g. one "tool" message per call result); `observation` is then their text.
     reward: the process reward of this step (the outcome reward is labelled later, by a scorer).
     done: the episode ended with this step; termination then says why (one of TERMINATIONS).
     tool_calls: what the action asked for, as parsed. parse_error: why the action could not be
@@ -40,12 +49,15 @@ class EnvStep:
     tool_calls: tuple[ToolCall, ...] = ()
     parse_error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    observation_messages: tuple[ChatMessage, ...] = ()
 
 
 class AgentEnv(Protocol):
     """Any environment an agent can act in. One instance runs one episode at a time."""
 
     observation_role: str  # chat role the observation is rendered as ("user" or "tool")
+    # Optional: `tools_for_template: list[dict] | None`, tool specs the chat template renders
+    # itself (passed as `tools=`); envs without it (or None) describe their tools in the prompt.
 
     def reset(self, prompt: Prompt) -> tuple[ChatMessage, ...]:
         """Start an episode for `prompt`; return the opening conversation (system + user)."""

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from agent_core.envs.base import AgentEnv
 from agent_core.envs.search import Bm25Index
-from agent_core.envs.search_qa import SearchQAEnv
+from agent_core.envs.tool_env import ChatCapabilities, ToolEnv
+from agent_core.envs.tools import TOOLS, make_tool
 from agent_core.registry import Registry
 
 
 @dataclass(frozen=True)
 class EnvResources:
-    """What envs share across a rollout. search_index: the corpus, for envs that search."""
+    """What envs share across a rollout. search_index: the corpus, for envs and tools that search.
+    chat: what the policy's chat template can render (decides where tools are described)."""
 
     search_index: Bm25Index | None = None
+    chat: ChatCapabilities = ChatCapabilities()
 
 
 EnvFactory = Callable[..., AgentEnv]  # (resources: EnvResources, **kwargs) -> AgentEnv
@@ -29,14 +32,35 @@ EnvFactory = Callable[..., AgentEnv]  # (resources: EnvResources, **kwargs) -> A
 ENVS: Registry[EnvFactory] = Registry("env")
 
 
+@ENVS.register("tool_env")
+def _make_tool_env(resources: EnvResources, *, tools: Sequence[str | Mapping[str, Any]] = ("calculator",),
+                   tool_format: str = "hermes", invalid_action_penalty: float = 0.0, tool_error_penalty: float = 0.0,
+                   tool_timeout_s: float = 10.0, max_calls_per_action: int = 4, max_result_chars: int = 4000) -> ToolEnv:
+    """Any registered tools in any format. tools: names, or {"name": ..., "kwargs": {...}} entries."""
+    built = []
+    for entry in tools:
+        name, kwargs = (entry, {}) if isinstance(entry, str) else (entry.get("name"), dict(entry.get("kwargs", {})))
+        if not isinstance(name, str):
+            raise ValueError(f"env 'tool_env': a tools entry needs a name, got {entry!r}; valid tools: {', '.join(TOOLS.names())}")
+        built.append(make_tool(name, kwargs, resources))
+    return ToolEnv(built, tool_format, chat=resources.chat, invalid_action_penalty=invalid_action_penalty,
+                   tool_error_penalty=tool_error_penalty, tool_timeout_s=tool_timeout_s,
+                   max_calls_per_action=max_calls_per_action, max_result_chars=max_result_chars)
+
+
 @ENVS.register("search_qa")
-def _make_search_qa(resources: EnvResources, *, top_k: int = 3, invalid_action_penalty: float = 0.0) -> SearchQAEnv:
+def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str = "tag",
+                    invalid_action_penalty: float = 0.0, tool_error_penalty: float = 0.0,
+                    tool_timeout_s: float = 10.0) -> ToolEnv:
+    """Multi-hop QA (Search-R1 / Agent-R1): the `search` tool over the corpus, then `<answer>`."""
     if resources.search_index is None:
         raise ValueError(
             "env 'search_qa' needs a corpus to search: EnvResources.search_index is None "
             "(build a Bm25Index from the dataset's documents)"
         )
-    return SearchQAEnv(resources.search_index, top_k=top_k, invalid_action_penalty=invalid_action_penalty)
+    search = make_tool("search", {"top_k": top_k}, resources)
+    return ToolEnv([search], tool_format, chat=resources.chat, invalid_action_penalty=invalid_action_penalty,
+                   tool_error_penalty=tool_error_penalty, tool_timeout_s=tool_timeout_s)
 
 
 def env_kwarg_names(name: str) -> list[str]:
