@@ -11,7 +11,9 @@ import json
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from agent_core.plugins import PluginError, load_plugins
 
 
 class ConfigError(ValueError):
@@ -69,6 +71,10 @@ class RolloutConfig(_Section):
     )
     keep_last_turns: int = Field(2, ge=1, description="turns kept by context_mode=last_k")
     max_observation_tokens: int | None = Field(None, ge=1, description="cut each observation to this many tokens")
+    env: str | None = Field(None, description="env for every prompt (default: each prompt's own, from the dataset)")
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="merged over each prompt's env kwargs, e.g. {tool_format: hermes}"
+    )
     env_workers: int = Field(8, ge=1, description="threads running env steps (tool calls) concurrently")
     straggler_wait_s: float = Field(2.0, ge=0, description="how long a batch waits for slow tool calls")
 
@@ -78,6 +84,27 @@ class RolloutConfig(_Section):
         from agent_core.rollout.engines import ENGINES
 
         return ENGINES.check(name)
+
+    @field_validator("env")
+    @classmethod
+    def _known_env(cls, name: str | None) -> str | None:
+        from agent_core.envs.registry import ENVS
+
+        return None if name is None else ENVS.check(name)
+
+    @model_validator(mode="after")
+    def _env_kwargs_fit_the_env(self) -> "RolloutConfig":
+        from agent_core.envs.formats import FORMATS
+        from agent_core.envs.registry import check_env_kwargs
+
+        if self.env is not None:
+            try:
+                check_env_kwargs(self.env, self.env_kwargs)
+            except TypeError as error:  # pydantic reports ValueErrors only
+                raise ValueError(str(error)) from None
+        if "tool_format" in self.env_kwargs:
+            FORMATS.check(self.env_kwargs["tool_format"])
+        return self
 
 
 class RewardConfig(_Section):
@@ -136,6 +163,9 @@ class TrackingConfig(_Section):
 
 class PipelineConfig(_Section):
     run_id: str | None = Field(None, description="default: a fresh id per run")
+    plugins: list[str] = Field(
+        default_factory=list, description="modules imported first; they register envs, tools, estimators ..."
+    )
     data_root: str = "data"
     iterations: int = Field(3, ge=1)
     seed: int = 0
@@ -146,6 +176,21 @@ class PipelineConfig(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _load_plugins_first(cls, data: Any) -> Any:
+        """Plugins register the names the other sections may use, so they load before those are
+        checked (also when Prefect validates a deployment's parameters in a worker)."""
+        plugins = data.get("plugins") if isinstance(data, dict) else None
+        if plugins:
+            if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+                raise ValueError(f"plugins must be a list of module names, got {plugins!r}")
+            try:
+                load_plugins(plugins)
+            except PluginError as error:
+                raise ValueError(str(error)) from None
+        return data
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys -> scalar values (MLflow params)."""
@@ -197,6 +242,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def build_config(data: dict[str, Any], source: str = "config") -> PipelineConfig:
     _check_keys(PipelineConfig, data)
+
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as error:

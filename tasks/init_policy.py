@@ -6,6 +6,10 @@ import json
 from pathlib import Path
 
 from agent_core.config import PolicyConfig
+from agent_core.data.rows import row_to_document, row_to_prompt
+from agent_core.envs.formats import FORMATS
+from agent_core.envs.registry import EnvResources, env_kwarg_names, make_env
+from agent_core.envs.search import Bm25Index
 from agent_core.io.checkpoints import load_policy, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.tables import read_table
@@ -16,16 +20,32 @@ from tasks.prepare_data import DatasetUris
 DEFAULT_SMOLLM2_DIR = Path("data/models/smollm2-135m-instruct")
 
 
+def _tool_instructions(prompt_row: dict, corpus_rows: list[dict]) -> list[str]:
+    """The system prompts the dataset's env writes in every tool-call format it supports, so the
+    tokenizer learns the tool syntax too (it is not in the data)."""
+    prompt = row_to_prompt(prompt_row)
+    resources = EnvResources(search_index=Bm25Index([row_to_document(row) for row in corpus_rows]))
+    if "tool_format" not in env_kwarg_names(prompt.env_name):
+        return [m.content for m in make_env(prompt.env_name, prompt.env_kwargs, resources).reset(prompt)]
+    texts = []
+    for name in FORMATS.names():
+        env = make_env(prompt.env_name, {**prompt.env_kwargs, "tool_format": name}, resources)
+        texts += [m.content for m in env.reset(prompt) if m.role == "system"]
+    return texts
+
+
 @stage_task(name="init_policy")
 def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig) -> str:
     """Build (tiny) or copy (path, smollm2) the initial policy into the run; return its directory."""
     log = stage_logger("init_policy")
     target = run.initial_policy_dir
     if policy.source == "tiny":
-        texts = [row["text"] for row in read_table("corpus", dataset.corpus_uri).to_pylist()]
+        corpus_rows = read_table("corpus", dataset.corpus_uri).to_pylist()
         prompt_rows = read_table("dataset_prompts", dataset.prompts_uri).to_pylist()
+        texts = [row["text"] for row in corpus_rows]
         # unique message texts: the shared system prompt would otherwise dominate the BPE merges
         texts += sorted({m["content"] for row in prompt_rows for m in json.loads(row["messages"])})
+        texts += _tool_instructions(prompt_rows[0], corpus_rows)
         tokenizer = build_tokenizer(texts, vocab_size=policy.vocab_size)
         model = build_tiny_policy(
             tokenizer, hidden_size=policy.hidden_size, num_layers=policy.num_layers, num_heads=policy.num_heads,

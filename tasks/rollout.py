@@ -9,15 +9,23 @@ from agent_core.config import RolloutConfig
 from agent_core.data.rows import row_to_document, row_to_prompt
 from agent_core.envs.registry import EnvResources, make_env
 from agent_core.envs.search import Bm25Index
+from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.io.checkpoints import load_tokenizer
 from agent_core.io.layout import RunLayout
 from agent_core.io.tables import read_table, write_table
 from agent_core.rollout.agent_loop import LoopSettings, run_episodes
-from agent_core.rollout.chat import eos_token_ids
+from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
 from agent_core.rollout.context import ContextPolicy
 from agent_core.rollout.engine import SamplingParams
 from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 from tasks._common import stage_logger, stage_task
+
+
+def _env_of(prompt, cfg: RolloutConfig) -> tuple[str, dict]:
+    """The config's env replaces the prompt's (and its kwargs); config kwargs refine the prompt's own env."""
+    if cfg.env is not None and cfg.env != prompt.env_name:
+        return cfg.env, dict(cfg.env_kwargs)
+    return prompt.env_name, {**prompt.env_kwargs, **cfg.env_kwargs}
 
 
 @stage_task(name="rollout")
@@ -26,8 +34,9 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     log = stage_logger("rollout")
     prompts = [row_to_prompt(row) for row in read_table("prompts", prompts_uri).to_pylist()]
     documents = [row_to_document(row) for row in read_table("corpus", corpus_uri).to_pylist()]
-    resources = EnvResources(search_index=Bm25Index(documents))
     tokenizer = load_tokenizer(Path(policy_dir))
+    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
+    resources = EnvResources(search_index=Bm25Index(documents), chat=chat)
     engine = ENGINES.get(cfg.engine)(Path(policy_dir), EngineOptions(max_batch_size=cfg.max_batch_size))
     sampling = SamplingParams(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -41,7 +50,8 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     )
     try:
         records = run_episodes(
-            engine, tokenizer, prompts, lambda p: make_env(p.env_name, p.env_kwargs, resources), sampling, settings
+            engine, tokenizer, prompts,
+            lambda p: make_env(*_env_of(p, cfg), resources), sampling, settings
         )
     finally:
         close_engine(engine)

@@ -12,6 +12,8 @@ from pathlib import Path
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="agentr1-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 os.environ.pop("PREFECT_API_URL", None)  # never talk to a user's server from tests
+# Flow logs stay on the console: shipping them to the temporary API races its shutdown at exit.
+os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"
 
 from flows.environment import configure_environment  # noqa: E402
 

@@ -85,3 +85,20 @@ def test_cli_reports_config_typos_without_a_traceback(capsys, tmp_path):
     code = cli_main(["train", "--data-root", str(tmp_path), "--set", "rollout.grup_size=2"])
     assert code == 2
     assert "grup_size" in capsys.readouterr().err
+
+
+def test_rerun_rollout_in_the_hermes_format_with_a_context_window(trained):
+    """Runs last: it rewrites iteration 0's steps. The env, format and context come from overrides."""
+    _, _, root = trained
+    run = root.run("e2e")
+    rerun_stage(str(root.path), "e2e", 0, "rollout",
+                ["rollout.env_kwargs={tool_format: hermes}", "rollout.context_mode=last_k", "rollout.keep_last_turns=1",
+                 "rollout.max_context_tokens=2048"])
+    steps = read_table("steps", run.table_uri(0, "steps")).to_pylist()
+    first = next(s for s in steps if s["step_idx"] == 0)
+    opening = first["prompt_ids"]
+    from agent_core.io.checkpoints import load_tokenizer
+
+    text = load_tokenizer(run.initial_policy_dir).decode(opening)
+    assert "<tool_call>" in text and '"name": "search"' in text  # hermes tool list in the system prompt
+    assert all(s["truncated"] == (s["termination"] in ("max_steps", "max_context")) for s in steps if s["done"])

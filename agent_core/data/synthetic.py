@@ -32,15 +32,12 @@ from dataclasses import dataclass
 from agent_core.types import ChatMessage, Document, Prompt
 
 # Bump when the generated text changes, so a new generator never reuses an old dataset folder.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: the system prompt leaves tool syntax to the env's tool-call format
 MARRIED_FRACTION = 0.6
 FIRST_FILM_YEAR, LAST_FILM_YEAR = 1950, 2020
 
-SYSTEM_PROMPT = (
-    "Answer the question. To search, write <search>query</search>. "
-    "Results come back as <information>...</information>. "
-    "Search as often as you need, then write <answer>answer</answer>."
-)
+# How to call the search tool is the env's tool-call format's to say (tag or hermes), not the data's.
+SYSTEM_PROMPT = "Answer the question. Search as often as you need before answering."
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z")
 _VOWELS = ("a", "e", "i", "o", "u")

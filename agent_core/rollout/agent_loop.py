@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 from agent_core.envs.base import AgentEnv, EnvStep
-from agent_core.rollout.chat import encode_conversation, encode_observation, eos_token_ids
+from agent_core.rollout.chat import encode_conversation, encode_observation_messages, eos_token_ids
 from agent_core.rollout.context import ContextPolicy, EpisodeContext, extends, truncate_text
 from agent_core.rollout.engine import Engine, Generation, SamplingParams
 from agent_core.rollout.records import StepRecord
-from agent_core.types import Prompt
+from agent_core.types import ChatMessage, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def _start_episodes(tokenizer, prompts, make_env, settings: LoopSettings) -> lis
     for prompt in prompts:
         for sample_idx in range(settings.group_size):
             env = make_env(prompt)
-            head = encode_conversation(tokenizer, env.reset(prompt))
+            head = encode_conversation(tokenizer, env.reset(prompt), tools=_template_tools(env))
             group_id = f"{settings.episode_prefix}{prompt.prompt_id}"
             episodes.append(_Episode(
                 episode_id=f"{group_id}-s{sample_idx}", group_id=group_id, prompt=prompt, sample_idx=sample_idx,
@@ -146,14 +146,13 @@ def _advance(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, 
              sampling: SamplingParams, settings: LoopSettings) -> bool:
     """Apply one generation and the env's answer to its episode; return True if the episode goes on."""
     termination = outcome.termination if outcome.done else None
-    observation, cut = truncate_text(tokenizer, outcome.observation, settings.context.max_observation_tokens)
-    if cut:
-        outcome.info["observation_tokens_cut"] = cut
+    messages = _observation_messages(ep.env, outcome, tokenizer, settings)
+    observation = "\n".join(m.content for m in messages)
     next_ids: list[int] | None = None
     if not outcome.done:
         # a stop token other than end-of-turn (e.g. "</search>") would leave the turn open
         ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] in eos_token_ids(tokenizer)
-        observation_ids = encode_observation(tokenizer, ep.env.observation_role, observation, ended_with_eos)
+        observation_ids = encode_observation_messages(tokenizer, messages, ended_with_eos, tools=_template_tools(ep.env))
         ep.context.add_turn(gen.token_ids, observation_ids)
         next_ids = ep.context.ids(settings.context)
         if ep.step_idx + 1 >= settings.max_steps:
@@ -168,6 +167,23 @@ def _advance(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, 
     ep.current_ids = next_ids
     ep.step_idx += 1
     return True
+
+
+def _template_tools(env: AgentEnv) -> list[dict] | None:
+    return getattr(env, "tools_for_template", None)
+
+
+def _observation_messages(env: AgentEnv, outcome: EnvStep, tokenizer, settings: LoopSettings) -> list[ChatMessage]:
+    """The observation as messages, each cut to max_observation_tokens (the cut is noted in info)."""
+    messages = list(outcome.observation_messages) or [ChatMessage(env.observation_role, outcome.observation)]
+    limit, total_cut = settings.context.max_observation_tokens, 0
+    for i, message in enumerate(messages):
+        text, cut = truncate_text(tokenizer, message.content, limit)
+        if cut:
+            messages[i], total_cut = ChatMessage(message.role, text), total_cut + cut
+    if total_cut:
+        outcome.info["observation_tokens_cut"] = total_cut
+    return messages
 
 
 def _record(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, observation: str,
