@@ -6,7 +6,8 @@ checked at config-load time rather than mid-run.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+import inspect
+from typing import Any, Callable, Generic, Mapping, TypeVar
 
 T = TypeVar("T")
 
@@ -59,6 +60,22 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._items)
+
+    def kwarg_names(self, name: str, skip: int = 1) -> list[str]:
+        """The keyword arguments factory `name` accepts, after its first `skip` parameters
+        (e.g. the shared resources an env or tool factory receives)."""
+        parameters = list(inspect.signature(self.get(name)).parameters.values())[skip:]
+        return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def check_kwargs(self, name: str, kwargs: Mapping[str, Any], skip: int = 1) -> None:
+        """TypeError naming the item, the bad keys and the valid ones if `kwargs` has a key it does not take."""
+        valid = self.kwarg_names(name, skip)
+        unexpected = sorted(set(kwargs) - set(valid))
+        if unexpected:
+            raise TypeError(
+                f"{self.kind} {name!r} got unexpected argument(s) {', '.join(map(repr, unexpected))}; "
+                f"valid arguments: {', '.join(valid) or '(none)'}"
+            )
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

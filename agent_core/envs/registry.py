@@ -7,7 +7,6 @@ before calling it, so a bad key in a dataset or config names the env and the val
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -65,19 +64,12 @@ def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str
 
 def env_kwarg_names(name: str) -> list[str]:
     """The keyword arguments env `name` accepts (UnknownNameError for an unknown env)."""
-    parameters = list(inspect.signature(ENVS.get(name)).parameters.values())[1:]  # after resources
-    return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return ENVS.kwarg_names(name)
 
 
 def check_env_kwargs(name: str, kwargs: dict[str, Any]) -> None:
     """Raise TypeError naming the env and the bad keys if `kwargs` has a key env `name` does not take."""
-    valid = env_kwarg_names(name)
-    unexpected = sorted(set(kwargs) - set(valid))
-    if unexpected:
-        raise TypeError(
-            f"env {name!r} got unexpected argument(s) {', '.join(map(repr, unexpected))}; "
-            f"valid arguments: {', '.join(valid) or '(none)'}"
-        )
+    ENVS.check_kwargs(name, kwargs)
 
 
 def make_env(name: str, kwargs: dict[str, Any], resources: EnvResources) -> AgentEnv:

