@@ -1,114 +1,58 @@
 """Advantage estimators, registered by name, all with one signature (DESIGN.md §7).
 
-Every estimator is called as::
+Signature, shapes and the mask convention: ``agent_core.algos.estimator_core``. Importing this
+module registers every built-in estimator:
 
-    fn(token_rewards, mask, group_index, values=None, *, gamma=1.0, lam=1.0, eps=1e-6,
-       norm_by_std=True) -> AdvantageOutput
+- ``gae``, ``step_gae``: critic-based, in ``agent_core.algos.estimators_critic``;
+- ``grpo``: group-normalized episode score (Shao et al. 2024, DeepSeekMath; with
+  ``norm_by_std=False`` the Dr.GRPO variant of Liu et al. 2025);
+- ``rloo``: leave-one-out baseline (Ahmadian et al. 2024);
+- ``reinforce_pp``: discounted return-to-go, batch-whitened (REINFORCE++, Hu 2025,
+  arXiv 2501.03262);
+- ``reinforce_pp_baseline``: episode score minus its group mean, batch-whitened (REINFORCE++
+  with a baseline, as in verl's ``reinforce_plus_plus_baseline``).
 
-on the episode token layout of ``agent_core.algos.episodes``:
-
-- token_rewards: float [E, T], each step's reward on its last token (plus any in-reward KL
-  penalty a caller folds in per token);
-- mask: float [E, T], 1 on the episode's tokens (the advantage mask), 0 on padding;
-- group_index: int64 [E], episodes with the same value were sampled from the same prompt
-  (any integers; they need not be contiguous);
-- values: float [E, T] critic values, for estimators that use a critic (None otherwise).
-
-Parameters an estimator has no use for are accepted and ignored, so a config can switch
-estimators by name alone. Outputs are zero wherever ``mask`` is 0.
-
-Built here: ``grpo`` (Shao et al. 2024, DeepSeekMath; with ``norm_by_std=False`` the Dr.GRPO
-variant of Liu et al. 2025) and ``rloo`` (Ahmadian et al. 2024). Token-level GAE, per-step GAE
-and REINFORCE++ plug into the same registry.
+Outcome-style estimators (grpo, rloo, reinforce_pp_baseline) score an episode by the
+undiscounted sum of its masked token rewards, so process rewards count towards the score.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
-from agent_core.registry import Registry
+from agent_core.algos.estimator_core import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    AdvantageOutput,
+    GroupStats,
+    broadcast_to_tokens,
+    check_inputs,
+    episode_scores,
+    group_stats,
+    masked_whiten,
+)
+from agent_core.algos.estimators_critic import gae_advantages, step_gae_advantages  # registers them too
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "AdvantageOutput",
+    "GroupStats",
+    "compute_advantages",
+    "discounted_returns",
+    "episode_scores",
+    "gae_advantages",
+    "grpo_advantages",
+    "group_stats",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+    "step_gae_advantages",
+]
 
 
-@dataclass(frozen=True)
-class AdvantageOutput:
-    """advantages, returns: float32 [E, T], zero where the mask is 0."""
-
-    advantages: torch.Tensor
-    returns: torch.Tensor
-
-
-class AdvantageEstimator(Protocol):
-    def __call__(
-        self,
-        token_rewards: torch.Tensor,
-        mask: torch.Tensor,
-        group_index: torch.Tensor,
-        values: torch.Tensor | None = None,
-        *,
-        gamma: float = 1.0,
-        lam: float = 1.0,
-        eps: float = 1e-6,
-        norm_by_std: bool = True,
-    ) -> AdvantageOutput: ...
-
-
-ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
-
-
-def _check_inputs(
-    token_rewards: torch.Tensor, mask: torch.Tensor, group_index: torch.Tensor, values: torch.Tensor | None
-) -> None:
-    if token_rewards.dim() != 2:
-        raise ValueError(f"token_rewards must be [E, T]; got shape {tuple(token_rewards.shape)}")
-    if mask.shape != token_rewards.shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} != token_rewards shape {tuple(token_rewards.shape)}")
-    if values is not None and values.shape != token_rewards.shape:
-        raise ValueError(f"values shape {tuple(values.shape)} != token_rewards shape {tuple(token_rewards.shape)}")
-    if group_index.dim() != 1 or group_index.shape[0] != token_rewards.shape[0]:
-        raise ValueError(
-            f"group_index must be [E] with E = {token_rewards.shape[0]} episodes; got {tuple(group_index.shape)}"
-        )
-    if group_index.dtype.is_floating_point:
-        raise ValueError(f"group_index must be an integer tensor; got {group_index.dtype}")
-
-
-def episode_scores(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The undiscounted return of each episode: sum of its masked token rewards, float64 [E]."""
-    return (token_rewards.to(torch.float64) * mask.to(torch.float64)).sum(dim=-1)
-
-
-@dataclass(frozen=True)
-class GroupStats:
-    """Per-episode statistics of the episode's group, float64 [E] each (count as float)."""
-
-    count: torch.Tensor
-    total: torch.Tensor
-    mean: torch.Tensor
-    unbiased_std: torch.Tensor
-
-
-def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> GroupStats:
-    """Group count, sum, mean and unbiased std of `scores` [E], gathered back to each episode.
-
-    The std of a group of one is reported as 0 (the unbiased estimate is undefined there).
-    """
-    _, dense = torch.unique(group_index, return_inverse=True)
-    num_groups = int(dense.max().item()) + 1 if dense.numel() else 0
-    zeros = torch.zeros(num_groups, dtype=torch.float64, device=scores.device)
-    count = zeros.index_add(0, dense, torch.ones_like(scores))
-    total = zeros.index_add(0, dense, scores)
-    mean = total / count
-    squared = zeros.index_add(0, dense, (scores - mean[dense]) ** 2)
-    var = torch.where(count > 1, squared / (count - 1).clamp(min=1), torch.zeros_like(squared))
-    return GroupStats(count=count[dense], total=total[dense], mean=mean[dense], unbiased_std=var.sqrt()[dense])
-
-
-def _broadcast(per_episode: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[E] -> [E, T] float32, zero off the mask."""
-    return (per_episode[:, None] * mask.to(torch.float64)).to(torch.float32)
+def _output(advantages: torch.Tensor, returns: torch.Tensor) -> AdvantageOutput:
+    return AdvantageOutput(advantages=advantages.to(torch.float32), returns=returns.to(torch.float32))
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -122,23 +66,24 @@ def grpo_advantages(
     lam: float = 1.0,
     eps: float = 1e-6,
     norm_by_std: bool = True,
+    step_starts: torch.Tensor | None = None,
 ) -> AdvantageOutput:
     """GRPO outcome advantages (Shao et al. 2024), or Dr.GRPO's (Liu et al. 2025) when not norm_by_std.
 
     Shapes: token_rewards, mask [E, T]; group_index [E]; outputs [E, T].
-    score_e = sum of episode e's token rewards (undiscounted; gamma, lam, values are unused).
+    score_e = sum of episode e's masked token rewards (undiscounted; gamma, lam, values unused).
     advantage_e = (score_e - mean_g) / (std_g + eps) with norm_by_std, score_e - mean_g without,
     broadcast over the episode's masked tokens; returns = score_e broadcast.
     std_g is the unbiased (Bessel-corrected, n - 1) sample std of the group, as in the reference
     implementations (verl, TRL use torch.std); a group of one gets advantage 0.
     """
-    _check_inputs(token_rewards, mask, group_index, values)
+    check_inputs(token_rewards, mask, group_index, values, step_starts)
     scores = episode_scores(token_rewards, mask)
     stats = group_stats(scores, group_index)
     centered = scores - stats.mean
     advantage = centered / (stats.unbiased_std + eps) if norm_by_std else centered
     advantage = torch.where(stats.count > 1, advantage, torch.zeros_like(advantage))
-    return AdvantageOutput(advantages=_broadcast(advantage, mask), returns=_broadcast(scores, mask))
+    return _output(broadcast_to_tokens(advantage, mask), broadcast_to_tokens(scores, mask))
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
@@ -152,6 +97,7 @@ def rloo_advantages(
     lam: float = 1.0,
     eps: float = 1e-6,
     norm_by_std: bool = True,
+    step_starts: torch.Tensor | None = None,
 ) -> AdvantageOutput:
     """REINFORCE leave-one-out advantages (Ahmadian et al. 2024).
 
@@ -160,13 +106,82 @@ def rloo_advantages(
     the episode's masked tokens; returns = score_e broadcast. A group of one gets advantage 0.
     RLOO does not scale by a std: norm_by_std, eps, gamma, lam and values are unused.
     """
-    _check_inputs(token_rewards, mask, group_index, values)
+    check_inputs(token_rewards, mask, group_index, values, step_starts)
     scores = episode_scores(token_rewards, mask)
     stats = group_stats(scores, group_index)
     others = (stats.count - 1).clamp(min=1)
     baseline = (stats.total - scores) / others
     advantage = torch.where(stats.count > 1, scores - baseline, torch.zeros_like(scores))
-    return AdvantageOutput(advantages=_broadcast(advantage, mask), returns=_broadcast(scores, mask))
+    return _output(broadcast_to_tokens(advantage, mask), broadcast_to_tokens(scores, mask))
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go over the masked tokens of each row: G_t = r_t + gamma * G_t' (t' the next
+    masked token, G = 0 after the last), float64 [E, T], zero off the mask."""
+    on = mask.to(torch.bool)
+    rewards = torch.where(on, token_rewards.to(torch.float64), 0.0)
+    returns = torch.zeros_like(rewards)
+    next_return = torch.zeros(rewards.shape[0], dtype=torch.float64, device=rewards.device)
+    for t in reversed(range(rewards.shape[1])):
+        current = rewards[:, t] + gamma * next_return
+        returns[:, t] = torch.where(on[:, t], current, 0.0)
+        next_return = torch.where(on[:, t], current, next_return)
+    return returns
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_index: torch.Tensor,
+    values: torch.Tensor | None = None,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    eps: float = 1e-6,
+    norm_by_std: bool = True,
+    step_starts: torch.Tensor | None = None,
+) -> AdvantageOutput:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262): token-level discounted return-to-go, whitened
+    over every masked token of the batch (as verl / OpenRLHF do).
+
+    Shapes: token_rewards, mask [E, T]; group_index [E] (unused); outputs [E, T].
+    returns = G_t (``discounted_returns``); advantages = (G_t - mean) / (std + eps), mean and
+    unbiased std over all masked tokens of the batch. lam, values, norm_by_std are unused.
+    """
+    check_inputs(token_rewards, mask, group_index, values, step_starts)
+    returns = discounted_returns(token_rewards, mask, gamma)
+    return _output(masked_whiten(returns, mask, eps), returns)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_index: torch.Tensor,
+    values: torch.Tensor | None = None,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    eps: float = 1e-6,
+    norm_by_std: bool = True,
+    step_starts: torch.Tensor | None = None,
+) -> AdvantageOutput:
+    """REINFORCE++ with a group baseline (verl's ``reinforce_plus_plus_baseline``).
+
+    Shapes: token_rewards, mask [E, T]; group_index [E]; outputs [E, T].
+    centred_e = score_e - mean_g (score = undiscounted sum of masked token rewards), broadcast
+    to the episode's masked tokens, then whitened over all masked tokens of the batch (mean and
+    unbiased std, + eps). A group of one keeps its raw score (baseline 0, as in verl): the batch
+    whitening is then its baseline. returns = score_e broadcast. gamma, lam, values, norm_by_std
+    are unused.
+    """
+    check_inputs(token_rewards, mask, group_index, values, step_starts)
+    scores = episode_scores(token_rewards, mask)
+    stats = group_stats(scores, group_index)
+    centred = torch.where(stats.count > 1, scores - stats.mean, scores)
+    advantages = masked_whiten(broadcast_to_tokens(centred, mask), mask, eps)
+    return _output(advantages, broadcast_to_tokens(scores, mask))
 
 
 def compute_advantages(
@@ -180,9 +195,11 @@ def compute_advantages(
     lam: float = 1.0,
     eps: float = 1e-6,
     norm_by_std: bool = True,
+    step_starts: torch.Tensor | None = None,
 ) -> AdvantageOutput:
     """Run the estimator registered as `name` (UnknownNameError lists the valid names)."""
     estimator = ADVANTAGE_ESTIMATORS.get(name)
     return estimator(
-        token_rewards, mask, group_index, values, gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std
+        token_rewards, mask, group_index, values,
+        gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std, step_starts=step_starts,
     )

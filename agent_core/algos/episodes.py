@@ -1,96 +1,179 @@
-"""The episode token layout that advantage estimators work on.
+"""The episode token grid that advantage estimators run on, and the way back to steps.
 
-Row e is episode e; its columns are the response tokens of all its steps, concatenated in step
-order, then right padding. Observation (tool output) and prompt tokens are not columns: that is
-the advantage-mask-on case of DESIGN.md §3, where the recursion of a token-level estimator skips
-tool output. The advantage-mask-off ablation fits the same layout by passing, as a step's
-"response length", its response plus observation token count (the reward still lands on the
-step's last column, which is then the last observation token).
+Row e is episode e, starting right after its FIRST prompt:
 
-A step's reward sits on its last response token (the decision it rewards ended there), so an
-episode's return is the sum of its row, and a token-level estimator sees process rewards where
-they happened.
+- append-only episode (every step's prompt extends the previous prompt + response, DESIGN.md §2):
+  step 0's response, its observation (the next prompt's new suffix: tool output and chat glue),
+  step 1's response, ... , the last step's response. Observation columns exist, so the
+  advantage-mask-off ablation (DESIGN.md §3) can run the recursion through them.
+- any other episode (e.g. a last_k context window): the responses only, concatenated. Such an
+  episode has no observation columns, so its mask-off and mask-on grids are the same: the
+  advantage-mask ablation needs append-only contexts.
+
+Each step's reward sits on its LAST ACTION token (the decision it rewards ended there). A step
+with an empty response has no token of its own: its reward goes to the last action token before
+it, and a non-zero reward with no action token before it is an error.
+
+To run a critic or reference model on the grid, run it on ``layout.row_context(e)`` (first prompt
++ row): grid column j is sequence position ``len(layout.first_prompt_ids[e]) + j``, so the
+value of the state in which column j's token is chosen is the model output at position
+``len(first_prompt_ids[e]) + j - 1``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 
 @dataclass(frozen=True)
-class EpisodeTokens:
-    """Episodes as a padded token grid.
+class EpisodeStep:
+    """One step as the grid needs it: the context it saw, what it generated, its total reward."""
 
-    token_rewards: float32 [E, T]; each step's reward on its last token, 0 elsewhere.
-    mask: float32 [E, T]; 1 on real tokens, 0 on padding.
-    step_lengths: per episode, the token count of each step (to split rows back into steps).
+    prompt_ids: list[int]
+    response_ids: list[int]
+    reward: float
+
+
+@dataclass(frozen=True)
+class StepSpan:
+    """Columns of one step in its row: response [start, response_end), observation [response_end, end)."""
+
+    start: int
+    response_end: int
+    end: int
+
+
+@dataclass(frozen=True)
+class EpisodeLayout:
+    """Episodes as a right-padded [E, T] grid (see the module docstring for what a row holds).
+
+    token_rewards: float32, each step's reward on its last action token.
+    action_mask: int64, 1 on response (policy-sampled) tokens.
+    real_mask: int64, 1 on every real token (actions and observations), 0 on padding.
+    step_starts: bool, True on the first action token of each step with a non-empty response.
+    input_ids: int64, the row's token ids, 0 on padding.
+    first_prompt_ids: per episode, the first step's prompt (what the row continues).
+    step_spans: per episode, per step, where the step's columns are.
+    append_only: per episode, whether its observations are in the grid.
     """
 
     token_rewards: torch.Tensor
-    mask: torch.Tensor
-    step_lengths: tuple[tuple[int, ...], ...]
+    action_mask: torch.Tensor
+    real_mask: torch.Tensor
+    step_starts: torch.Tensor
+    input_ids: torch.Tensor
+    first_prompt_ids: tuple[tuple[int, ...], ...]
+    step_spans: tuple[tuple[StepSpan, ...], ...]
+    append_only: tuple[bool, ...]
+
+    @property
+    def num_episodes(self) -> int:
+        return len(self.step_spans)
+
+    def row_length(self, episode: int) -> int:
+        spans = self.step_spans[episode]
+        return spans[-1].end if spans else 0
+
+    def row_context(self, episode: int) -> list[int]:
+        """First prompt + the row's tokens: the sequence to run a critic / reference model on."""
+        row = self.input_ids[episode, : self.row_length(episode)].tolist()
+        return list(self.first_prompt_ids[episode]) + row
 
 
-def pack_step_rewards(
-    step_response_lengths: Sequence[Sequence[int]],
-    step_rewards: Sequence[Sequence[float]],
-) -> EpisodeTokens:
-    """Lay out episodes of steps as rows of tokens with rewards on each step's last token.
+class StepParts(NamedTuple):
+    """A step's share of a [E, T] tensor: its response columns, then its observation columns."""
 
-    step_response_lengths[e][k], step_rewards[e][k]: token count and reward of step k of
-    episode e. A step with no tokens has nowhere to carry its reward, so its reward is added to
-    the last token before it (the policy's latest decision); a non-zero reward in an episode with
-    no token before it raises ValueError.
-    """
-    if len(step_response_lengths) != len(step_rewards):
+    response: list[float]
+    observation: list[float]
+
+
+def is_append_only(steps: Sequence[EpisodeStep]) -> bool:
+    """True when every step's prompt starts with the previous step's prompt + response."""
+    for previous, current in zip(steps, steps[1:]):
+        context = list(previous.prompt_ids) + list(previous.response_ids)
+        if list(current.prompt_ids[: len(context)]) != context:
+            return False
+    return True
+
+
+def _row_segments(steps: Sequence[EpisodeStep], append_only: bool) -> list[tuple[list[int], list[int]]]:
+    """Per step: (response tokens, observation tokens in the row)."""
+    segments = []
+    for k, step in enumerate(steps):
+        observation: list[int] = []
+        if append_only and k + 1 < len(steps):
+            observation = list(steps[k + 1].prompt_ids[len(step.prompt_ids) + len(step.response_ids) :])
+        segments.append((list(step.response_ids), observation))
+    return segments
+
+
+def build_episode_layout(episodes: Sequence[Sequence[EpisodeStep]]) -> EpisodeLayout:
+    """Lay out episodes (each a list of its steps in order) as the grid of ``EpisodeLayout``."""
+    for e, steps in enumerate(episodes):
+        if not steps:
+            raise ValueError(f"episode {e} has no steps")
+    append_only = tuple(is_append_only(steps) for steps in episodes)
+    segments = [_row_segments(steps, packed) for steps, packed in zip(episodes, append_only)]
+    width = max((sum(len(r) + len(o) for r, o in episode) for episode in segments), default=0)
+    shape = (len(episodes), width)
+    token_rewards = torch.zeros(shape, dtype=torch.float32)
+    action_mask = torch.zeros(shape, dtype=torch.long)
+    real_mask = torch.zeros(shape, dtype=torch.long)
+    step_starts = torch.zeros(shape, dtype=torch.bool)
+    input_ids = torch.zeros(shape, dtype=torch.long)
+    all_spans = []
+    for e, (steps, episode_segments) in enumerate(zip(episodes, segments)):
+        spans, column, last_action = [], 0, -1
+        for k, (step, (response, observation)) in enumerate(zip(steps, episode_segments)):
+            response_end = column + len(response)
+            end = response_end + len(observation)
+            input_ids[e, column:end] = torch.tensor(response + observation, dtype=torch.long)
+            action_mask[e, column:response_end] = 1
+            real_mask[e, column:end] = 1
+            if response:
+                step_starts[e, column] = True
+                last_action = response_end - 1
+            if last_action >= 0:
+                token_rewards[e, last_action] += float(step.reward)
+            elif float(step.reward) != 0.0:
+                raise ValueError(
+                    f"episode {e} step {k}: reward {step.reward} but no action token at or before this step to carry it"
+                )
+            spans.append(StepSpan(column, response_end, end))
+            column = end
+        all_spans.append(tuple(spans))
+    return EpisodeLayout(
+        token_rewards=token_rewards,
+        action_mask=action_mask,
+        real_mask=real_mask,
+        step_starts=step_starts,
+        input_ids=input_ids,
+        first_prompt_ids=tuple(tuple(int(t) for t in steps[0].prompt_ids) for steps in episodes),
+        step_spans=tuple(all_spans),
+        append_only=append_only,
+    )
+
+
+def advantage_mask(layout: EpisodeLayout, use_advantage_mask: bool) -> torch.Tensor:
+    """The estimators' mask, float32 [E, T]: action tokens when on (default), every real token
+    (actions and observations) when off (the DESIGN.md §3 ablation)."""
+    chosen = layout.action_mask if use_advantage_mask else layout.real_mask
+    return chosen.to(torch.float32)
+
+
+def unpack(values: torch.Tensor, layout: EpisodeLayout) -> list[list[StepParts]]:
+    """Split a [E, T] tensor on `layout`'s grid into episode -> step -> (response, observation)."""
+    if values.dim() != 2 or values.shape[0] != layout.num_episodes:
         raise ValueError(
-            f"step_response_lengths has {len(step_response_lengths)} episodes but step_rewards "
-            f"has {len(step_rewards)}"
-        )
-    lengths = tuple(tuple(int(n) for n in episode) for episode in step_response_lengths)
-    for e, (episode_lengths, episode_rewards) in enumerate(zip(lengths, step_rewards)):
-        if len(episode_lengths) != len(episode_rewards):
-            raise ValueError(
-                f"episode {e}: {len(episode_lengths)} step lengths but {len(episode_rewards)} rewards"
-            )
-        if any(n < 0 for n in episode_lengths):
-            raise ValueError(f"episode {e}: negative step length in {list(episode_lengths)}")
-    width = max((sum(episode) for episode in lengths), default=0)
-    token_rewards = torch.zeros(len(lengths), width, dtype=torch.float32)
-    mask = torch.zeros(len(lengths), width, dtype=torch.float32)
-    for e, (episode_lengths, episode_rewards) in enumerate(zip(lengths, step_rewards)):
-        end = 0
-        for k, (n, reward) in enumerate(zip(episode_lengths, episode_rewards)):
-            end += n
-            if end == 0:
-                if float(reward) != 0.0:
-                    raise ValueError(
-                        f"episode {e} step {k}: reward {reward} but no response token at or before "
-                        f"this step to carry it"
-                    )
-                continue
-            token_rewards[e, end - 1] += float(reward)
-        mask[e, :end] = 1.0
-    return EpisodeTokens(token_rewards=token_rewards, mask=mask, step_lengths=lengths)
-
-
-def unpack_steps(values: torch.Tensor, layout: EpisodeTokens) -> list[list[list[float]]]:
-    """Split a [E, T] tensor in the layout of `layout` into episode -> step -> per-token floats."""
-    if values.dim() != 2 or values.shape[0] != len(layout.step_lengths):
-        raise ValueError(
-            f"values must be [E, T] with E = {len(layout.step_lengths)} episodes; got {tuple(values.shape)}"
+            f"values must be [E, T] with E = {layout.num_episodes} episodes; got {tuple(values.shape)}"
         )
     rows = values.detach().to(torch.float64).cpu().tolist()
-    episodes: list[list[list[float]]] = []
-    for row, episode_lengths in zip(rows, layout.step_lengths):
-        if sum(episode_lengths) > len(row):
-            raise ValueError(f"values has {len(row)} columns, fewer than the episode's {sum(episode_lengths)} tokens")
-        steps, start = [], 0
-        for n in episode_lengths:
-            steps.append(row[start : start + n])
-            start += n
-        episodes.append(steps)
+    episodes = []
+    for e, (row, spans) in enumerate(zip(rows, layout.step_spans)):
+        if layout.row_length(e) > len(row):
+            raise ValueError(f"values has {len(row)} columns, fewer than episode {e}'s {layout.row_length(e)} tokens")
+        episodes.append([StepParts(row[s.start : s.response_end], row[s.response_end : s.end]) for s in spans])
     return episodes

@@ -1,4 +1,4 @@
-"""Policy losses and loss aggregation (DESIGN.md §7), pure torch.
+"""Policy and value losses and loss aggregation (DESIGN.md §7), pure torch.
 
 Loss aggregation modes (``LOSS_AGG_MODES``, by name), for a per-token loss matrix [B, L] and a
 loss mask [B, L]:
@@ -17,7 +17,9 @@ gives exactly the loss of one big batch (gradient accumulation). Sequences with 
 are not counted in the seq-mean modes.
 
 The PPO clipped objective follows Schulman et al. 2017, with decoupled low/high clip ranges
-(DAPO's clip-higher) and the optional dual clip of Ye et al. 2020 for negative advantages.
+(DAPO's clip-higher) and the optional dual clip of Ye et al. 2020 for negative advantages. The
+clipped value loss is PPO2's (OpenAI baselines), aggregated by the same modes. KL estimators to a
+reference policy live in ``agent_core.algos.kl``.
 """
 
 from __future__ import annotations
@@ -174,3 +176,54 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+@dataclass(frozen=True)
+class ValueLossOutput:
+    """loss: scalar with grad (0.5 * squared error, aggregated). clipfrac: detached share of masked
+    tokens where the clipped term was the larger one (the clip bound the loss)."""
+
+    loss: torch.Tensor
+    clipfrac: torch.Tensor
+
+
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_range: float | None,
+    agg_mode: str = "token-mean",
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+    norm_length: float | None = None,
+) -> ValueLossOutput:
+    """PPO2-style clipped value loss, all inputs [B, L], aggregated over `mask` by `agg_mode`.
+
+    per token = 0.5 * max((v - R)^2, (old_v + clamp(v - old_v, -clip_range, clip_range) - R)^2):
+    the pessimistic of the plain and the clipped error, so the critic cannot gain by moving a value
+    further than clip_range from the one the returns were computed with. clip_range None: no clip,
+    0.5 * (v - R)^2. The mask is the advantage mask (the tokens that have a return).
+    """
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        raise ValueError(
+            "values, old_values, returns and mask must share one [B, L] shape; got "
+            f"{tuple(values.shape)}, {tuple(old_values.shape)}, {tuple(returns.shape)}, {tuple(mask.shape)}"
+        )
+    if clip_range is not None and clip_range <= 0:
+        raise ValueError(f"clip_range must be > 0 (or None for no clip), got {clip_range}")
+    mask = mask.to(values.dtype)
+    plain = (values - returns).square()
+    if clip_range is None:
+        per_token, was_clipped = plain, torch.zeros_like(plain, dtype=torch.bool)
+    else:
+        clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        clipped = (clipped_values - returns).square()
+        per_token, was_clipped = torch.maximum(plain, clipped), clipped > plain
+    loss = aggregate_loss(
+        0.5 * per_token, mask, agg_mode, num_tokens=num_tokens, num_sequences=num_sequences, norm_length=norm_length
+    )
+    with torch.no_grad():
+        clipfrac = masked_mean(was_clipped.to(mask.dtype), mask)
+    return ValueLossOutput(loss=loss, clipfrac=clipfrac)

@@ -1,0 +1,155 @@
+"""What every advantage estimator shares: the registry, the call signature, the output, and the
+masked helpers (input checks, episode scores, group statistics, batch whitening).
+
+The estimators themselves live in ``agent_core.algos.advantages`` (outcome / Monte-Carlo
+estimators) and ``agent_core.algos.estimators_critic`` (GAE with a critic); import
+``agent_core.algos.advantages`` to get all of them registered.
+
+Every estimator is called as::
+
+    fn(token_rewards, mask, group_index, values=None, *, gamma=1.0, lam=1.0, eps=1e-6,
+       norm_by_std=True, step_starts=None) -> AdvantageOutput
+
+on the episode token grid of ``agent_core.algos.episodes``:
+
+- token_rewards: float [E, T], each step's reward on its last action token (minus any in-reward
+  KL penalty the caller folds in per token);
+- mask: [E, T] 0/1 (any dtype), the ADVANTAGE mask (DESIGN.md §3): the tokens the recursion runs
+  over. Action tokens only when the mask is on; every real token (actions and observations)
+  when it is off. Rewards and values off the mask are ignored;
+- group_index: int [E], episodes with the same value were sampled from the same prompt (any
+  integers; they need not be contiguous);
+- values: float [E, T] critic values, for estimators that use a critic (None otherwise);
+- step_starts: bool [E, T], True at the first action token of each step (``step_gae`` only).
+
+Parameters an estimator has no use for are accepted and ignored, so a config can switch
+estimators by name alone. Outputs are float32 [E, T] and zero wherever ``mask`` is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from agent_core.registry import Registry
+
+
+@dataclass(frozen=True)
+class AdvantageOutput:
+    """advantages, returns: float32 [E, T], zero where the mask is 0."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+class AdvantageEstimator(Protocol):
+    def __call__(
+        self,
+        token_rewards: torch.Tensor,
+        mask: torch.Tensor,
+        group_index: torch.Tensor,
+        values: torch.Tensor | None = None,
+        *,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        eps: float = 1e-6,
+        norm_by_std: bool = True,
+        step_starts: torch.Tensor | None = None,
+    ) -> AdvantageOutput: ...
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def check_inputs(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_index: torch.Tensor,
+    values: torch.Tensor | None,
+    step_starts: torch.Tensor | None = None,
+) -> None:
+    """ValueError naming the offending argument when shapes or dtypes do not fit together."""
+    if token_rewards.dim() != 2:
+        raise ValueError(f"token_rewards must be [E, T]; got shape {tuple(token_rewards.shape)}")
+    shape = tuple(token_rewards.shape)
+    for name, grid in (("mask", mask), ("values", values), ("step_starts", step_starts)):
+        if grid is not None and tuple(grid.shape) != shape:
+            raise ValueError(f"{name} shape {tuple(grid.shape)} != token_rewards shape {shape}")
+    if group_index.dim() != 1 or group_index.shape[0] != token_rewards.shape[0]:
+        raise ValueError(
+            f"group_index must be [E] with E = {token_rewards.shape[0]} episodes; got {tuple(group_index.shape)}"
+        )
+    if group_index.dtype.is_floating_point:
+        raise ValueError(f"group_index must be an integer tensor; got {group_index.dtype}")
+
+
+def uses_critic(estimator: AdvantageEstimator) -> AdvantageEstimator:
+    """Mark an estimator that needs critic values (the pipeline then trains a critic for it)."""
+    estimator.uses_critic = True
+    return estimator
+
+
+def estimator_uses_critic(name: str) -> bool:
+    return bool(getattr(ADVANTAGE_ESTIMATORS.get(name), "uses_critic", False))
+
+
+def require_values(name: str, values: torch.Tensor | None) -> torch.Tensor:
+    if values is None:
+        raise ValueError(
+            f"advantage estimator {name!r} needs a critic: pass values [E, T] (or use a critic-free "
+            f"estimator: grpo, rloo, reinforce_pp, reinforce_pp_baseline)"
+        )
+    return values
+
+
+def episode_scores(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The undiscounted return of each episode: sum of its masked token rewards, float64 [E]."""
+    return (token_rewards.to(torch.float64) * mask.to(torch.float64)).sum(dim=-1)
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Per-episode statistics of the episode's group, float64 [E] each (count as float)."""
+
+    count: torch.Tensor
+    total: torch.Tensor
+    mean: torch.Tensor
+    unbiased_std: torch.Tensor
+
+
+def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> GroupStats:
+    """Group count, sum, mean and unbiased std of `scores` [E], gathered back to each episode.
+
+    The std of a group of one is reported as 0 (the unbiased estimate is undefined there).
+    """
+    _, dense = torch.unique(group_index, return_inverse=True)
+    num_groups = int(dense.max().item()) + 1 if dense.numel() else 0
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=scores.device)
+    count = zeros.index_add(0, dense, torch.ones_like(scores))
+    total = zeros.index_add(0, dense, scores)
+    mean = total / count
+    squared = zeros.index_add(0, dense, (scores - mean[dense]) ** 2)
+    var = torch.where(count > 1, squared / (count - 1).clamp(min=1), torch.zeros_like(squared))
+    return GroupStats(count=count[dense], total=total[dense], mean=mean[dense], unbiased_std=var.sqrt()[dense])
+
+
+def broadcast_to_tokens(per_episode: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[E] -> [E, T] float64, zero off the mask."""
+    return per_episode.to(torch.float64)[:, None] * mask.to(torch.float64)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries of the whole batch, zero off the mask.
+
+    Token-weighted, like verl's ``masked_whiten`` (a long episode counts once per token) with the
+    unbiased (n - 1) variance; fewer than two masked entries give std 0. float64 in, float64 out.
+    """
+    weights = mask.to(torch.float64)
+    count = weights.sum()
+    if count == 0:
+        return torch.zeros_like(x, dtype=torch.float64)
+    mean = (x * weights).sum() / count
+    var = (((x - mean) ** 2) * weights).sum() / (count - 1) if count > 1 else torch.zeros((), dtype=torch.float64)
+    return (x - mean) / (var.sqrt() + eps) * weights

@@ -1,0 +1,135 @@
+"""Critic-based advantage estimators: token-level ``gae`` and per-step ``step_gae``.
+
+Both follow Generalized Advantage Estimation (Schulman et al. 2016, arXiv 1506.02438) as used by
+PPO for LLMs (Ouyang et al. 2022; verl / OpenRLHF), with the advantage mask of Agent-R1
+(arXiv 2511.14460, DESIGN.md §3): the recursion runs over the masked tokens only, so with the
+mask on the last token of action k bootstraps from the first token of action k+1 and tool output
+in between is skipped (its rewards and values are ignored). The code carries the "next masked
+token" value and advantage across unmasked columns, which is the same as compressing each row to
+its masked tokens, running the plain recursion and scattering back.
+
+Where this differs from the convention: every episode is treated as terminated after its last
+masked token (next value 0), also episodes cut off by a step or context budget. A truncated
+episode would properly bootstrap from the value of the state it stopped in; the tables do not
+keep that state, so truncation is read as termination here.
+
+Signature and shapes: see ``agent_core.algos.estimator_core``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agent_core.algos.estimator_core import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageOutput,
+    check_inputs,
+    require_values,
+    uses_critic,
+)
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+@uses_critic
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_index: torch.Tensor,
+    values: torch.Tensor | None = None,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    eps: float = 1e-6,
+    norm_by_std: bool = True,
+    step_starts: torch.Tensor | None = None,
+) -> AdvantageOutput:
+    """Token-level GAE over the masked tokens (Schulman et al. 2016).
+
+    Shapes: token_rewards, mask, values [E, T]; group_index [E] (unused); outputs [E, T].
+    For masked tokens t < t' (t' the next masked token of the row, none after the last):
+    delta_t = r_t + gamma * V_t' - V_t (V_t' = 0 after the last), A_t = delta_t + gamma*lam*A_t'.
+    returns = advantages + values on masked tokens. No whitening (eps, norm_by_std unused).
+    ValueError when values is None.
+    """
+    check_inputs(token_rewards, mask, group_index, values, step_starts)
+    values = require_values("gae", values)
+    on = mask.to(torch.bool)
+    rewards = torch.where(on, token_rewards.to(torch.float64), 0.0)
+    critic = torch.where(on, values.to(torch.float64), 0.0)
+    num_episodes, width = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros(num_episodes, dtype=torch.float64, device=rewards.device)
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(width)):
+        delta = rewards[:, t] + gamma * next_value - critic[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(on[:, t], advantage, 0.0)
+        next_value = torch.where(on[:, t], critic[:, t], next_value)
+        next_advantage = torch.where(on[:, t], advantage, next_advantage)
+    returns = torch.where(on, advantages + critic, 0.0)
+    return AdvantageOutput(advantages=advantages.to(torch.float32), returns=returns.to(torch.float32))
+
+
+def _step_index(on: torch.Tensor, step_starts: torch.Tensor | None) -> torch.Tensor:
+    """Each column's step number (-1 before the row's first step start), int64 [E, T]."""
+    if step_starts is None:
+        raise ValueError(
+            "advantage estimator 'step_gae' needs step_starts [E, T] (True at each step's first action token)"
+        )
+    starts = step_starts.to(torch.bool)
+    if bool((starts & ~on).any()):
+        raise ValueError("step_starts marks a token outside the mask; a step starts at an action token")
+    step = starts.to(torch.long).cumsum(dim=-1) - 1
+    if bool((on & (step < 0)).any()):
+        rows = sorted(set((on & (step < 0)).nonzero()[:, 0].tolist()))
+        raise ValueError(f"episodes {rows[:10]}: masked tokens before the first step start")
+    return step
+
+
+@ADVANTAGE_ESTIMATORS.register("step_gae")
+@uses_critic
+def step_gae_advantages(
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_index: torch.Tensor,
+    values: torch.Tensor | None = None,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    eps: float = 1e-6,
+    norm_by_std: bool = True,
+    step_starts: torch.Tensor | None = None,
+) -> AdvantageOutput:
+    """Step-level GAE: one value and one advantage per agent step (the step is the MDP action).
+
+    Shapes: token_rewards, mask, values, step_starts [E, T]; group_index [E] (unused); outputs [E, T].
+    Step k's segment runs from its step start to the column before the next step start.
+    R_k = sum of the masked token rewards of the segment, V_k = values at the step start;
+    delta_k = R_k + gamma * V_{k+1} - V_k (V_K = 0), A_k = delta_k + gamma*lam*A_{k+1}.
+    A_k is broadcast to the masked tokens of segment k; returns = A_k + V_k there (the step's
+    value target). ValueError when values or step_starts is None.
+    """
+    check_inputs(token_rewards, mask, group_index, values, step_starts)
+    values = require_values("step_gae", values)
+    on = mask.to(torch.bool)
+    step = _step_index(on, step_starts)
+    index = step.clamp(min=0)
+    num_steps = max(int(step.max().item()) + 1, 1) if step.numel() else 1
+    rewards = torch.where(on, token_rewards.to(torch.float64), 0.0)
+    at_start = step_starts.to(torch.bool)
+    start_values = torch.where(at_start, values.to(torch.float64), 0.0)
+    grid = torch.zeros(rewards.shape[0], num_steps, dtype=torch.float64, device=rewards.device)
+    step_rewards = grid.scatter_add(1, index, rewards)
+    step_values = grid.scatter_add(1, index, start_values)
+    step_advantages = torch.zeros_like(grid)
+    next_value = torch.zeros(grid.shape[0], dtype=torch.float64, device=grid.device)
+    next_advantage = torch.zeros_like(next_value)
+    # Steps a row does not have hold zero reward and value, so they keep next_* at zero.
+    for k in reversed(range(num_steps)):
+        delta = step_rewards[:, k] + gamma * next_value - step_values[:, k]
+        next_advantage = delta + gamma * lam * next_advantage
+        next_value = step_values[:, k]
+        step_advantages[:, k] = next_advantage
+    advantages = torch.where(on, step_advantages.gather(1, index), 0.0)
+    returns = torch.where(on, (step_advantages + step_values).gather(1, index), 0.0)
+    return AdvantageOutput(advantages=advantages.to(torch.float32), returns=returns.to(torch.float32))

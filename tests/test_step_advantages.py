@@ -1,0 +1,150 @@
+"""Episode token grid (append-only and responses-only), reward combination, and the stage entry point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent_core.algos.episodes import EpisodeStep, StepSpan, advantage_mask, build_episode_layout, unpack
+from agent_core.algos.rewards import combine_rewards
+from agent_core.algos.step_advantages import (
+    StepRewardRow,
+    advantages_for_steps,
+    estimate_step_advantages,
+    prepare_episodes,
+)
+
+# Append-only: step 1's prompt = step 0's prompt + response + observation [90, 91].
+APPEND_ONLY = [EpisodeStep([1, 2], [10, 11], 0.1), EpisodeStep([1, 2, 10, 11, 90, 91], [12], 1.0)]
+# A context window dropped step 0's response, so step 1's prompt does not extend it.
+WINDOWED = [EpisodeStep([1, 2], [20], 0.0), EpisodeStep([1, 2, 99], [21, 22], 0.5)]
+
+
+def test_append_only_episode_keeps_observations_in_its_row():
+    layout = build_episode_layout([APPEND_ONLY, WINDOWED])
+    assert layout.append_only == (True, False)
+    assert layout.input_ids.tolist() == [[10, 11, 90, 91, 12], [20, 21, 22, 0, 0]]
+    assert layout.action_mask.tolist() == [[1, 1, 0, 0, 1], [1, 1, 1, 0, 0]]
+    assert layout.real_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert layout.step_starts.tolist() == [[True, False, False, False, True], [True, True, False, False, False]]
+    assert torch.allclose(layout.token_rewards, torch.tensor([[0, 0.1, 0, 0, 1.0], [0, 0, 0.5, 0, 0]]))
+    assert layout.step_spans[0] == (StepSpan(0, 2, 4), StepSpan(4, 5, 5))
+    assert layout.step_spans[1] == (StepSpan(0, 1, 1), StepSpan(1, 3, 3))
+    # the critic's sequence: the first prompt, then the row
+    assert layout.row_context(0) == [1, 2, 10, 11, 90, 91, 12]
+    assert layout.row_context(1) == [1, 2, 20, 21, 22]
+    assert advantage_mask(layout, True).tolist() == layout.action_mask.float().tolist()
+    assert advantage_mask(layout, False).tolist() == layout.real_mask.float().tolist()
+
+
+def test_unpack_gives_back_each_steps_response_and_observation():
+    layout = build_episode_layout([APPEND_ONLY, WINDOWED])
+    ids = unpack(layout.input_ids, layout)
+    assert ids[0] == [([10, 11], [90, 91]), ([12], [])]
+    assert ids[1] == [([20], []), ([21, 22], [])]
+    rewards = unpack(layout.token_rewards, layout)
+    assert [parts.response[-1] for parts in rewards[0]] == pytest.approx([0.1, 1.0])
+    with pytest.raises(ValueError, match="E = 2"):
+        unpack(torch.zeros(3, 5), layout)
+
+
+def test_empty_response_hands_its_reward_to_the_last_action_before_it():
+    episode = [EpisodeStep([1], [10], 0.25), EpisodeStep([1, 2], [], 1.0)]
+    layout = build_episode_layout([episode])
+    assert layout.token_rewards.tolist() == [[1.25]]
+    assert layout.step_starts.tolist() == [[True]]
+    with pytest.raises(ValueError, match="episode 0 step 0"):
+        build_episode_layout([[EpisodeStep([1], [], 1.0), EpisodeStep([1], [3], 0.0)]])
+
+
+def test_combine_rewards_by_hand():
+    process = [[0.2, -0.1, 0.0], [0.5]]
+    outcome = [[0.0, 0.0, 1.0], [0.0]]
+    plain = combine_rewards(process, outcome, process_weight=0.5, normalize="none")
+    assert plain[0] == pytest.approx([0.1, -0.05, 1.0]) and plain[1] == pytest.approx([0.25])
+    # episode process sums 0.1 and 0.5: max_abs divides every process reward by 0.5
+    scaled = combine_rewards(process, outcome, process_weight=0.5, normalize="max_abs")
+    assert scaled[0] == pytest.approx([0.2, -0.1, 1.0]) and scaled[1] == pytest.approx([0.5])
+    assert combine_rewards([[0.0]], [[1.0]], process_weight=1.0, normalize="max_abs") == [[1.0]]
+
+
+def test_combine_rewards_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"episode 0: outcome reward on step\(s\) \[0\]"):
+        combine_rewards([[0.0, 0.0]], [[1.0, 0.0]], process_weight=1.0, normalize="none")
+    with pytest.raises(ValueError, match="valid: none, max_abs"):
+        combine_rewards([[0.0]], [[1.0]], process_weight=1.0, normalize="mean")
+    with pytest.raises(ValueError, match="episode 0: 2 process rewards but 1"):
+        combine_rewards([[0.0, 0.0]], [[1.0]], process_weight=1.0, normalize="none")
+
+
+def rows():
+    """Episode a (append-only, two steps) and b (windowed), one group, given out of order."""
+    return [
+        StepRewardRow("a", "g", 1, [1, 2, 10, 11, 90, 91], [12], 0.0, 1.0),
+        StepRewardRow("b", "g", 0, [1, 2], [20], 0.0, 0.0),
+        StepRewardRow("a", "g", 0, [1, 2], [10, 11], 0.2, 0.0),
+        StepRewardRow("b", "g", 1, [1, 2, 99], [21, 22], -0.2, 0.0),
+    ]
+
+
+SETTINGS = dict(gamma=1.0, lam=1.0, eps=1e-6, norm_by_std=False, process_weight=0.5, process_norm="none")
+
+
+def test_grpo_results_align_with_each_steps_response():
+    results = advantages_for_steps(rows(), estimator="grpo", use_advantage_mask=True, **SETTINGS)
+    by_step = {(r.episode_id, r.step_idx): r for r in results}
+    # scores: a = 0.5*0.2 + 1 = 1.1, b = 0.5*(-0.2) = -0.1; group mean 0.5
+    assert by_step["a", 0].advantages == pytest.approx([0.6, 0.6])
+    assert by_step["a", 1].advantages == pytest.approx([0.6])
+    assert by_step["b", 1].advantages == pytest.approx([-0.6, -0.6])
+    assert by_step["a", 0].returns == pytest.approx([1.1, 1.1])
+    assert all(r.values is None and r.obs_advantages is None for r in results)
+
+
+def test_gae_with_a_critic_function_and_the_mask_off_fills_observations():
+    seen = []
+
+    def zero_critic(layout):
+        seen.append(layout.token_rewards.shape)
+        return torch.zeros(layout.token_rewards.shape)
+
+    common = dict(estimator="gae", values=zero_critic, **SETTINGS)
+    on = {(r.episode_id, r.step_idx): r for r in advantages_for_steps(rows(), use_advantage_mask=True, **common)}
+    # zero values, gamma = lam = 1: advantages are rewards-to-go; a: 0.1 on column 1, 1 on column 4
+    assert on["a", 0].advantages == pytest.approx([1.1, 1.1])
+    assert on["a", 0].values == [0.0, 0.0] and on["a", 0].obs_advantages is None
+    off = {(r.episode_id, r.step_idx): r for r in advantages_for_steps(rows(), use_advantage_mask=False, **common)}
+    assert off["a", 0].obs_advantages == pytest.approx([1.0, 1.0])
+    assert off["a", 0].obs_returns == pytest.approx([1.0, 1.0]) and off["a", 0].obs_values == [0.0, 0.0]
+    assert off["a", 1].obs_advantages is None  # the last step has no observation in the grid
+    assert off["b", 0].obs_advantages is None  # a windowed episode has none at all
+    assert seen == [(2, 5), (2, 5)]
+
+
+def test_kl_penalty_is_taken_from_action_tokens_only():
+    batch = prepare_episodes(rows(), process_weight=0.5, process_norm="none")
+    penalty = torch.full(batch.layout.token_rewards.shape, 0.1)  # 0.1 on every column, observations too
+    results = estimate_step_advantages(
+        batch, estimator="grpo", gamma=1.0, lam=1.0, eps=1e-6, norm_by_std=False,
+        use_advantage_mask=True, kl_penalty=penalty,
+    )
+    by_step = {(r.episode_id, r.step_idx): r for r in results}
+    # a has 3 action tokens: 1.1 - 0.3; b has 3: -0.1 - 0.3 (a's 2 tool tokens are not penalised)
+    assert by_step["a", 0].returns == pytest.approx([0.8, 0.8])
+    assert by_step["b", 0].returns == pytest.approx([-0.4])
+    with pytest.raises(ValueError, match="kl_penalty shape"):
+        estimate_step_advantages(
+            batch, estimator="grpo", gamma=1.0, lam=1.0, eps=1e-6, norm_by_std=False,
+            use_advantage_mask=True, kl_penalty=torch.zeros(2, 2),
+        )
+
+
+def test_entry_point_errors_name_the_episode_or_the_missing_critic():
+    with pytest.raises(ValueError, match="needs a critic"):
+        advantages_for_steps(rows(), estimator="gae", use_advantage_mask=True, **SETTINGS)
+    gap = [r for r in rows() if not (r.episode_id == "a" and r.step_idx == 0)]
+    with pytest.raises(ValueError, match="episode 'a': step_idx must run 0..0; got \\[1\\]"):
+        advantages_for_steps(gap, estimator="grpo", use_advantage_mask=True, **SETTINGS)
+    mixed = rows()[:3] + [StepRewardRow("b", "h", 1, [1], [3], 0.0, 0.0)]
+    with pytest.raises(ValueError, match="episode 'b': steps disagree on group_id"):
+        advantages_for_steps(mixed, estimator="grpo", use_advantage_mask=True, **SETTINGS)
