@@ -165,3 +165,80 @@ def test_masked_mean_and_entropy():
     naive = -(probs * probs.log()).sum(-1)
     assert torch.allclose(entropy_from_logits(logits), naive, atol=1e-5)
     assert torch.allclose(entropy_from_logits(torch.zeros(1, 1, 8)), torch.tensor([[math.log(8)]]))
+
+
+# --- KL estimators and the clipped value loss -------------------------------------------------
+
+from agent_core.algos.kl import KL_ESTIMATORS, kl_penalty  # noqa: E402
+from agent_core.algos.losses import clipped_value_loss  # noqa: E402
+
+
+def test_kl_estimators_by_hand():
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    assert kl_penalty(logp, ref, "k1").tolist()[0] == pytest.approx([0.5, -1.0])
+    assert kl_penalty(logp, ref, "k2").tolist()[0] == pytest.approx([0.125, 0.5])
+    # k3 with log r = ref - logp = [-0.5, 1.0]: e^-0.5 + 0.5 - 1 and e - 1 - 1
+    assert kl_penalty(logp, ref, "k3").tolist()[0] == pytest.approx([math.exp(-0.5) - 0.5, math.e - 2.0], abs=1e-6)
+    assert set(KL_ESTIMATORS.names()) == {"k1", "k2", "k3"}
+    with pytest.raises(UnknownNameError, match="k1, k2, k3"):
+        kl_penalty(logp, ref, "k4")
+    with pytest.raises(ValueError, match="share one shape"):
+        kl_penalty(logp, ref[:, :1], "k1")
+
+
+def test_k1_and_k3_are_unbiased_and_k3_never_negative():
+    gen = torch.Generator().manual_seed(3)
+    policy = torch.log_softmax(torch.randn(7, generator=gen), dim=0)
+    reference = torch.log_softmax(torch.randn(7, generator=gen), dim=0)
+    true_kl = float((policy.exp() * (policy - reference)).sum())
+    for name in ("k1", "k3"):
+        # expectation over tokens sampled from the policy = exact probability-weighted sum
+        expected = float((policy.exp() * kl_penalty(policy[None], reference[None], name)[0]).sum())
+        assert expected == pytest.approx(true_kl, abs=1e-5)
+    assert torch.all(kl_penalty(policy[None], reference[None], "k3") >= 0)
+
+
+def test_k3_stays_finite_for_extreme_log_ratios():
+    logp = torch.tensor([[-200.0, 0.0]], requires_grad=True)
+    ref = torch.tensor([[0.0, -200.0]])
+    kl = kl_penalty(logp, ref, "k3")
+    assert torch.isfinite(kl).all()
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+VALUES = torch.tensor([[1.0, 2.0, 0.0]])
+OLD_VALUES = torch.tensor([[0.5, 1.0, 0.0]])
+RETURNS = torch.tensor([[2.0, 0.0, 1.0]])
+VALUE_MASK = torch.tensor([[1.0, 1.0, 0.0]])
+
+
+def test_clipped_value_loss_by_hand():
+    values = VALUES.clone().requires_grad_(True)
+    out = clipped_value_loss(values, OLD_VALUES, RETURNS, VALUE_MASK, clip_range=0.2)
+    # token 0: plain (1-2)^2 = 1, clipped (0.5+0.2-2)^2 = 1.69 -> 1.69 (clip binds)
+    # token 1: plain (2-0)^2 = 4, clipped (1.0+0.2-0)^2 = 1.44 -> 4; token 2 is masked out
+    assert out.loss.item() == pytest.approx(0.5 * (1.69 + 4.0) / 2)
+    assert out.clipfrac.item() == pytest.approx(0.5)
+    out.loss.backward()
+    # the clipped term has no gradient w.r.t. v once the clip binds; the plain one: (v - R) / 2 tokens
+    assert values.grad.tolist()[0] == pytest.approx([0.0, 1.0, 0.0])
+    unclipped = clipped_value_loss(VALUES, OLD_VALUES, RETURNS, VALUE_MASK, clip_range=None)
+    assert unclipped.loss.item() == pytest.approx(0.5 * (1.0 + 4.0) / 2)
+    assert unclipped.clipfrac.item() == 0.0
+
+
+def test_clipped_value_loss_aggregates_by_mode_and_checks_inputs():
+    values = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+    returns = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # per token 0.5 * err^2: row 0 [0.5, 2.0], row 1 [2.0]
+    seq_mean = clipped_value_loss(values, values, returns, mask, clip_range=None, agg_mode="seq-mean-token-mean")
+    assert seq_mean.loss.item() == pytest.approx(((0.5 + 2.0) / 2 + 2.0) / 2)
+    token_mean = clipped_value_loss(values, values, returns, mask, clip_range=None, num_tokens=6.0)
+    assert token_mean.loss.item() == pytest.approx((0.5 + 2.0 + 2.0) / 6)
+    with pytest.raises(ValueError, match="clip_range"):
+        clipped_value_loss(values, values, returns, mask, clip_range=0.0)
+    with pytest.raises(ValueError, match="share one"):
+        clipped_value_loss(values, values[:, :2], returns, mask, clip_range=0.2)

@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agent_core.training.batches import TrainSequence, make_micro_batches, step_sequence
+from agent_core.registry import UnknownNameError
 from agent_core.training.trainer import make_optimizer, ppo_update, sequence_logprobs
 
 PAD = 0
@@ -175,3 +176,139 @@ def test_update_without_loss_tokens_is_skipped():
     result = ppo_update(model, make_optimizer(model, lr=1e-3), empty, **UPDATE)
     assert result.skipped and result.skip_reason == "no tokens in the loss mask"
     assert result.tokens == 0
+
+
+# --- train_iteration: epochs, mini-batches, old log-probs, KL, critic, LR schedule --------------
+
+import math  # noqa: E402
+
+from agent_core.training.critic import value_model_from_policy  # noqa: E402
+from agent_core.training.schedule import (  # noqa: E402
+    LR_SCHEDULES, lr_multiplier, make_lr_scheduler, optimizer_step_count,
+)
+from agent_core.training.trainer import score_logprobs, train_iteration  # noqa: E402
+
+ITERATION = dict(pad_id=PAD, max_grad_norm=1.0, micro_batch_tokens=24)
+
+
+def full_steps(seed: int, count: int = 6, ref_from=None) -> list[TrainSequence]:
+    """Steps with ref log-probs, values and returns (as the advantages stage stores them)."""
+    rng = random.Random(seed)
+    steps = []
+    for base in random_steps(seed, count):
+        n = sum(base.action_mask)
+        prompt, response = base.input_ids[: len(base) - n], base.input_ids[len(base) - n:]
+        steps.append(step_sequence(
+            prompt, response, base.old_logprobs[len(prompt):], base.advantages[len(prompt):],
+            ref_logprobs=[-rng.uniform(2.0, 6.0) for _ in range(n)], values=[rng.uniform(-1, 1) for _ in range(n)],
+            returns=[rng.uniform(-1, 1) for _ in range(n)],
+        ))
+    return steps
+
+
+def test_train_iteration_takes_one_step_per_mini_batch_and_is_seeded():
+    steps = full_steps(10)
+    runs = []
+    for _ in range(2):
+        model = tiny_llama()
+        results = train_iteration(model, make_optimizer(model, lr=1e-3), steps, epochs=2, mini_batches=3, seed=7,
+                                  **ITERATION)
+        runs.append(results)
+    results = runs[0]
+    assert len(results) == 6 and not any(r.skipped for r in results)
+    action_tokens = sum(sum(s.action_mask) for s in steps)
+    assert sum(r.tokens for r in results[:3]) == sum(r.tokens for r in results[3:]) == action_tokens
+    assert all(math.isnan(r.vf_loss) and r.tokens_per_s > 0 and r.grad_norm > 0 for r in results)
+    assert [r.loss for r in runs[0]] == [r.loss for r in runs[1]]  # same seed, same shuffle, same steps
+
+
+def test_recomputed_old_logprobs_start_on_policy_and_rollout_ones_do_not():
+    steps = random_steps(11)  # rollout log-probs far from the tiny model's (about -ln 64 = -4.2)
+    first = {}
+    for recompute in (True, False):
+        model = tiny_llama()
+        first[recompute] = train_iteration(model, make_optimizer(model, lr=1e-3), steps, clip_low=0.01,
+                                           clip_high=0.01, recompute_old_logprobs=recompute, **ITERATION)[0]
+    assert first[True].kl == pytest.approx(0.0, abs=1e-6) and first[True].clipfrac == 0.0
+    assert first[False].kl > 1e-3 and first[False].clipfrac > 0.5
+
+
+def test_kl_to_the_reference_is_measured_and_its_term_moves_the_gradient():
+    model = tiny_llama()
+    steps = random_steps(12)
+    own = score_logprobs(model, [s.input_ids for s in steps], PAD, 4096, 1.0)
+    on_reference = [TrainSequence(s.input_ids, s.action_mask, s.old_logprobs, s.advantages, ref_logprobs=lp)
+                    for s, lp in zip(steps, own)]
+    [result] = train_iteration(model, make_optimizer(model, lr=1e-3), on_reference, kl_coef=0.5, **ITERATION)
+    assert result.kl == pytest.approx(0.0, abs=1e-6)  # the policy IS the reference before the step
+    far = full_steps(12)
+    no_kl = sgd_delta(far)
+    assert_same_deltas(no_kl, sgd_delta(far, kl_coef=0.0, kl_estimator="k2"), same=True)
+    assert_same_deltas(no_kl, sgd_delta(far, kl_coef=0.5, kl_estimator="k3"), same=False)
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        train_iteration(model, make_optimizer(model, lr=1e-3), steps, kl_coef=0.1, **ITERATION)
+
+
+def test_critic_trains_alongside_the_policy_and_its_non_finite_step_is_skipped():
+    model = tiny_llama()
+    critic = value_model_from_policy(model)
+    steps = full_steps(13)
+    results = train_iteration(model, make_optimizer(model, lr=1e-3), steps, critic=critic,
+                              critic_optimizer=make_optimizer(critic, lr=1e-2), epochs=6, value_clip=None,
+                              **ITERATION)
+    assert results[-1].vf_loss < 0.7 * results[0].vf_loss
+    bad = list(steps)
+    bad[0] = TrainSequence(bad[0].input_ids, bad[0].action_mask, bad[0].old_logprobs, bad[0].advantages,
+                           bad[0].ref_logprobs, bad[0].old_values, bad[0].returns[:-1] + [float("nan")])
+    head_before = critic.value_head.weight.detach().clone()
+    [result] = train_iteration(model, make_optimizer(model, lr=1e-3), bad, critic=critic,
+                               critic_optimizer=make_optimizer(critic, lr=1e-2), **ITERATION)
+    assert result.skipped and math.isfinite(result.loss) and math.isnan(result.vf_loss)
+    assert result.skip_reason.startswith("critic: non-finite")
+    assert torch.equal(critic.value_head.weight, head_before)
+    with pytest.raises(ValueError, match="old_values and returns"):
+        train_iteration(model, make_optimizer(model, lr=1e-3), random_steps(1), critic=critic,
+                        critic_optimizer=make_optimizer(critic, lr=1e-2), **ITERATION)
+    assert len(train_iteration(model, make_optimizer(model, lr=1e-3), steps[:2], mini_batches=9, **ITERATION)) == 2
+    with pytest.raises(ValueError, match="at least one training sequence"):
+        train_iteration(model, make_optimizer(model, lr=1e-3), [], **ITERATION)
+
+
+@pytest.mark.parametrize("name, step, expected", [
+    ("constant", 0, 1 / 2), ("constant", 1, 1.0), ("constant", 50, 1.0),
+    ("linear", 2, 1.0), ("linear", 7, 0.1 + 0.9 * 0.5), ("linear", 12, 0.1), ("linear", 99, 0.1),
+    ("cosine", 2, 1.0), ("cosine", 7, 0.1 + 0.9 * 0.5), ("cosine", 12, 0.1),
+    ("cosine", 4, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2))),
+])
+def test_lr_schedules_by_hand(name, step, expected):
+    assert lr_multiplier(step, name=name, warmup_steps=2, total_steps=12, min_lr_ratio=0.1) == pytest.approx(expected)
+
+
+def test_the_schedule_continues_across_iterations_from_the_optimizer_step_count():
+    assert set(LR_SCHEDULES.names()) == {"constant", "linear", "cosine"}
+    with pytest.raises(UnknownNameError, match="constant, cosine, linear"):
+        lr_multiplier(0, name="exp", warmup_steps=0, total_steps=10)
+    schedule = dict(name="linear", base_lr=1e-2, warmup_steps=1, total_steps=5)
+    model = tiny_llama()
+    optimizer = make_optimizer(model, lr=123.0)  # the schedule's base_lr wins over a stale group lr
+    steps = random_steps(14)
+    first = train_iteration(model, optimizer, steps, mini_batches=2,
+                            scheduler=make_lr_scheduler(optimizer, start_step=0, **schedule), **ITERATION)
+    assert [r.lr for r in first] == pytest.approx([1e-2, 1e-2])
+    assert optimizer_step_count(optimizer) == 2
+    resumed = make_optimizer(model, lr=123.0)
+    resumed.load_state_dict(optimizer.state_dict())  # what the next iteration restores from disk
+    start = optimizer_step_count(resumed)
+    second = train_iteration(model, resumed, steps, mini_batches=2,
+                             scheduler=make_lr_scheduler(resumed, start_step=start, **schedule), **ITERATION)
+    assert [r.lr for r in second] == pytest.approx([1e-2 * 0.75, 1e-2 * 0.5])  # steps 2 and 3 of 1 + 4
+
+
+def test_a_skipped_update_does_not_advance_the_schedule():
+    model = tiny_llama()
+    optimizer = make_optimizer(model, lr=1e-3)
+    scheduler = make_lr_scheduler(optimizer, name="linear", base_lr=1e-2, warmup_steps=0, total_steps=4)
+    empty = [step_sequence([3, 4, 5], [], [], []), step_sequence([7, 8], [], [], [])]
+    [result] = train_iteration(model, optimizer, empty, scheduler=scheduler, **ITERATION)
+    assert result.skipped and result.skip_reason == "no tokens in the loss mask"
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2) and optimizer_step_count(optimizer) == 0

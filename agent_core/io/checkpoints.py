@@ -40,7 +40,7 @@ def save_policy(model, tokenizer, directory: Path) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        _swap_into_place(staging, directory)
+        swap_into_place(staging, directory)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -163,7 +163,7 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _swap_into_place(staging: Path, directory: Path) -> None:
+def swap_into_place(staging: Path, directory: Path) -> None:
     if not directory.exists():
         staging.rename(directory)
         return

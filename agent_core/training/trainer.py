@@ -1,66 +1,40 @@
-"""Token log-probs of a causal LM and one PPO optimizer step over training sequences.
+"""PPO optimizer steps and a PPO training iteration (token log-probs: agent_core.training.scoring).
 
 ``ppo_update`` makes exactly one optimizer step per call: the sequences are split into
-micro-batches whose losses use normalizers counted over ALL sequences, so the accumulated
-gradient equals that of one big batch. A non-finite loss or gradient norm skips the step.
+micro-batches (gradient accumulation sized by tokens) whose losses use normalizers counted over
+ALL sequences of the step, so the accumulated gradient equals that of one big batch. A
+non-finite loss or gradient norm skips the step and says why. ``train_iteration`` runs `epochs`
+passes of `mini_batches` such steps, with an optional KL-to-reference loss term, an optional
+critic (its own optimizer and clipped value loss) and an optional LR scheduler.
 
-Where this differs from verl-style trainers: the "old" log-probs are the engine's sampling
-log-probs, which exist only on action tokens. With the loss mask off (the ablation), tokens in the
-loss but outside the action have no sampling log-prob; they take the current policy's own
-(detached) log-prob, i.e. ratio 1, which is exact here because the policy does not change during
-the one step. Otherwise they would be compared with a placeholder 0 and almost always clipped away.
+Where this differs from verl-style trainers: by default the "old" log-probs are the engine's
+sampling log-probs, which exist only on action tokens. With the loss mask off (the ablation),
+tokens in the loss but outside the action have no sampling log-prob; they take the current
+policy's own (detached) log-prob, i.e. ratio 1 (exact for the first step of an iteration, a
+mild approximation for later ones), since a placeholder 0 would almost always be clipped away.
+With ``recompute_old_logprobs`` every position gets the policy's log-prob before the first step.
+The KL term and the measured KL run over loss-mask tokens that are also action tokens: only those
+have a reference log-prob.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
-from agent_core.algos.losses import aggregate_loss, entropy_from_logits, masked_sum, ppo_clip_loss
+from agent_core.algos.kl import kl_penalty
+from agent_core.algos.losses import (
+    aggregate_loss, clipped_value_loss, masked_sum, ppo_clip_loss,
+)
 from agent_core.algos.masks import Masks, derive_masks
-from agent_core.training.batches import PaddedBatch, TrainSequence, make_micro_batches
-
-
-def sequence_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies of a causal LM, both float32 [B, L].
-
-    input_ids, attention_mask: [B, L]. Position t holds log p(input_ids[t] | input_ids[<t]) under
-    softmax(logits / temperature), and the entropy of that distribution; position 0 (no context)
-    and padding positions hold 0. entropy_grad=False computes the entropy without autograd
-    (row by row, bounding memory) when it is only a metric.
-    Memory: log p is logit[target] - logsumexp(logits), so no [B, L, V] log-softmax is built; the
-    only full-size copies are the temperature division / float32 upcast (skipped when not needed)
-    and the softmax inside the entropy.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    scores = logits[:, :-1]
-    if scores.dtype != torch.float32:
-        scores = scores.float()
-    if temperature != 1.0:
-        scores = scores / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    token_logprobs = scores.gather(-1, targets).squeeze(-1) - torch.logsumexp(scores, dim=-1)
-    if entropy_grad:
-        entropy = entropy_from_logits(scores)
-    else:
-        with torch.no_grad():
-            entropy = torch.cat([entropy_from_logits(row[None]) for row in scores.detach()], dim=0)
-    first = token_logprobs.new_zeros(input_ids.shape[0], 1)
-    real = attention_mask.to(torch.float32)
-    return torch.cat([first, token_logprobs], dim=1) * real, torch.cat([first, entropy], dim=1) * real
+from agent_core.training.batches import (
+    PaddedBatch, TrainSequence, make_micro_batches,
+)
+from agent_core.training.scoring import score_logprobs, sequence_logprobs  # noqa: F401  (re-exported)
 
 
 def make_optimizer(
@@ -77,19 +51,26 @@ def make_optimizer(
 class UpdateResult:
     """Metrics of one optimizer step (one row of train_metrics).
 
-    loss = pg_loss - entropy_coef * entropy term. entropy, kl (k3 estimate of KL(old || new)) and
-    clipfrac are token means over the loss mask. tokens: tokens in the loss mask. skipped: the
-    step was not taken (skip_reason says why); loss, pg_loss, entropy, kl and clipfrac are then nan.
+    loss = pg_loss - entropy_coef * entropy term + kl_coef * KL term. entropy, kl and clipfrac are
+    token means over the loss mask; kl is the configured estimator's KL to the reference when the
+    sequences carry ref_logprobs, else the k3 estimate of KL(old || new). vf_loss: the critic's
+    clipped value loss (nan without a critic). tokens: tokens in the loss mask; tokens_per_s: real
+    (non-padding) tokens through the policy per second. skipped: a step of this update was not
+    taken, skip_reason says which ("critic: ..." for the critic's). A skipped policy step leaves
+    loss, pg_loss, entropy, kl and clipfrac nan; a skipped critic step leaves vf_loss nan (a
+    taken policy step keeps its finite loss).
     """
 
     loss: float
     pg_loss: float
+    vf_loss: float
     entropy: float
     kl: float
     clipfrac: float
     grad_norm: float
     lr: float
     tokens: int
+    tokens_per_s: float
     seconds: float
     skipped: bool
     skip_reason: str | None
@@ -101,23 +82,26 @@ class _Normalizers:
     num_sequences: float
     norm_length: float
 
+    @staticmethod
+    def over(masks: Sequence[torch.Tensor], norm_length: float | None) -> "_Normalizers":
+        per_row = torch.cat([m.sum(dim=-1) for m in masks])
+        return _Normalizers(float(per_row.sum()), float((per_row > 0).sum()),
+                            float(per_row.max()) if norm_length is None else float(norm_length))
 
-def _normalizers(all_masks: list[Masks], norm_length: float | None) -> _Normalizers:
-    per_row = torch.cat([m.loss_mask.sum(dim=-1) for m in all_masks])
-    return _Normalizers(
-        num_tokens=float(per_row.sum()),
-        num_sequences=float((per_row > 0).sum()),
-        norm_length=float(per_row.max()) if norm_length is None else float(norm_length),
-    )
+    def scale(self) -> dict[str, float]:
+        return dict(num_tokens=self.num_tokens, num_sequences=self.num_sequences, norm_length=self.norm_length)
 
 
 @dataclass
 class _Totals:
     loss: float = 0.0
     pg_loss: float = 0.0
+    vf_loss: float = 0.0
     entropy_sum: float = 0.0
     kl_sum: float = 0.0
+    kl_tokens: float = 0.0
     clipped_sum: float = 0.0
+    real_tokens: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -128,48 +112,156 @@ class _LossSettings:
     entropy_coef: float
     temperature: float
     agg_mode: str
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    old_logprobs_everywhere: bool = False
+    value_clip: float | None = None
+    vf_coef: float = 1.0
 
 
-def _micro_batch_step(
-    model: torch.nn.Module, batch: PaddedBatch, masks: Masks, norms: _Normalizers, settings: _LossSettings,
-    totals: _Totals,
-) -> torch.Tensor:
-    """Forward + backward of one micro-batch; adds its metrics to totals, returns its loss."""
-    logprobs, entropy = sequence_logprobs(
-        model, batch.input_ids, batch.attention_mask,
-        temperature=settings.temperature, entropy_grad=settings.entropy_coef != 0,
-    )
-    # Loss tokens the engine did not sample have no sampling log-prob: use the current one (ratio 1).
-    unsampled = (masks.loss_mask > 0) & (batch.action_mask == 0)
-    old_logprobs = torch.where(unsampled, logprobs.detach(), batch.old_logprobs)
-    advantages = batch.advantages * masks.advantage_mask
-    scale = dict(num_tokens=norms.num_tokens, num_sequences=norms.num_sequences, norm_length=norms.norm_length)
-    policy = ppo_clip_loss(
-        logprobs, old_logprobs, advantages, masks.loss_mask, clip_low=settings.clip_low,
-        clip_high=settings.clip_high, dual_clip=settings.dual_clip, agg_mode=settings.agg_mode, **scale,
-    )
+@dataclass(frozen=True)
+class _Prepared:
+    """A step's micro-batches on the model's device, their masks and loss normalizers."""
+
+    batches: list[PaddedBatch]
+    masks: list[Masks]
+    policy_norms: _Normalizers
+    kl_norms: _Normalizers
+    value_norms: _Normalizers
+
+
+def _prepare(sequences, device, *, pad_id, micro_batch_tokens, use_loss_mask, use_advantage_mask, norm_length):
+    batches = [b.to(device) for b in make_micro_batches(sequences, max_tokens=micro_batch_tokens, pad_id=pad_id)]
+    masks = [derive_masks(b.action_mask, b.attention_mask, use_loss_mask=use_loss_mask,
+                          use_advantage_mask=use_advantage_mask) for b in batches]
+    kl_masks = [m.loss_mask * b.action_mask for m, b in zip(masks, batches)]
+    return _Prepared(batches, masks, _Normalizers.over([m.loss_mask for m in masks], norm_length),
+                     _Normalizers.over(kl_masks, norm_length),
+                     _Normalizers.over([m.advantage_mask for m in masks], norm_length))
+
+
+def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: _Prepared, s: _LossSettings,
+                        totals: _Totals) -> torch.Tensor:
+    """Forward + backward of one policy micro-batch; adds its metrics to totals, returns its loss."""
+    logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=s.temperature,
+                                          entropy_grad=s.entropy_coef != 0)
+    old_logprobs = batch.old_logprobs
+    if not s.old_logprobs_everywhere:  # loss tokens the engine did not sample: ratio 1 (module docstring)
+        old_logprobs = torch.where((masks.loss_mask > 0) & (batch.action_mask == 0), logprobs.detach(), old_logprobs)
+    scale = prep.policy_norms.scale()
+    policy = ppo_clip_loss(logprobs, old_logprobs, batch.advantages * masks.advantage_mask, masks.loss_mask,
+                           clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip, agg_mode=s.agg_mode,
+                           **scale)
     loss = policy.loss
-    if settings.entropy_coef != 0:
-        loss = loss - settings.entropy_coef * aggregate_loss(entropy, masks.loss_mask, settings.agg_mode, **scale)
-    loss.backward()
+    if s.entropy_coef != 0:
+        loss = loss - s.entropy_coef * aggregate_loss(entropy, masks.loss_mask, s.agg_mode, **scale)
     batch_tokens = float(masks.loss_mask.sum())
+    if batch.ref_logprobs is not None:
+        kl_mask = masks.loss_mask * batch.action_mask
+        kl_tokens = kl_penalty(logprobs, batch.ref_logprobs, s.kl_estimator)
+        if s.kl_coef != 0:
+            loss = loss + s.kl_coef * aggregate_loss(kl_tokens, kl_mask, s.agg_mode, **prep.kl_norms.scale())
+        totals.kl_sum += float(masked_sum(kl_tokens.detach(), kl_mask))
+        totals.kl_tokens += float(kl_mask.sum())
+    else:
+        totals.kl_sum += float(policy.approx_kl) * batch_tokens
+        totals.kl_tokens += batch_tokens
+    loss.backward()
     totals.loss += float(loss.detach())
     totals.pg_loss += float(policy.loss.detach())
     totals.entropy_sum += float(masked_sum(entropy.detach(), masks.loss_mask))
-    totals.kl_sum += float(policy.approx_kl) * batch_tokens
     totals.clipped_sum += float(policy.clipfrac) * batch_tokens
+    totals.real_tokens += float(batch.attention_mask.sum())
     return loss.detach()
 
 
-def _clip_and_step(optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> tuple[float, str | None]:
-    """Clip the accumulated gradients and step, unless their norm is not finite."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    limit = math.inf if max_grad_norm is None else max_grad_norm
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
-    if not math.isfinite(grad_norm):
-        return grad_norm, f"non-finite gradient norm ({grad_norm})"
-    optimizer.step()
-    return grad_norm, None
+def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: _Prepared, s: _LossSettings,
+                        totals: _Totals) -> torch.Tensor:
+    """Forward + backward of the clipped value loss on the advantage-mask tokens (they have returns)."""
+    values = critic.values(batch.input_ids, batch.attention_mask)
+    out = clipped_value_loss(values, batch.old_values, batch.returns, masks.advantage_mask, clip_range=s.value_clip,
+                             agg_mode=s.agg_mode, **prep.value_norms.scale())
+    loss = s.vf_coef * out.loss
+    loss.backward()
+    totals.vf_loss += float(out.loss.detach())
+    return loss.detach()
+
+
+def _accumulate_and_step(module, optimizer, prep: _Prepared, micro_step, max_grad_norm) -> tuple[float, str | None]:
+    """Run micro_step over every micro-batch (accumulating gradients), clip, and step unless not finite.
+
+    Returns (grad norm, skip reason or None). Gradients are cleared either way; the module gets
+    its previous train/eval mode back.
+    """
+    was_training = module.training
+    module.train()
+    optimizer.zero_grad(set_to_none=True)
+    grad_norm, skip_reason = math.nan, None
+    try:
+        for batch, masks in zip(prep.batches, prep.masks):
+            batch_loss = micro_step(batch, masks)
+            if not torch.isfinite(batch_loss):
+                skip_reason = f"non-finite loss ({float(batch_loss)}) in a micro-batch"
+                break
+        if skip_reason is None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            limit = math.inf if max_grad_norm is None else max_grad_norm
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                skip_reason = f"non-finite gradient norm ({grad_norm})"
+        optimizer.zero_grad(set_to_none=True)
+    finally:
+        module.train(was_training)
+    return grad_norm, skip_reason
+
+
+def _update(policy, optimizer, sequences, s: _LossSettings, *, critic, critic_optimizer, pad_id, micro_batch_tokens,
+            max_grad_norm, use_loss_mask, use_advantage_mask, norm_length) -> tuple[UpdateResult, bool]:
+    """One policy optimizer step (and one critic step when a critic is given) over `sequences`.
+
+    Returns the metrics and whether the policy step was taken.
+    """
+    if not sequences:
+        raise ValueError("an update needs at least one sequence")
+    started = time.perf_counter()
+    prep = _prepare(sequences, next(policy.parameters()).device, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens,
+                    use_loss_mask=use_loss_mask, use_advantage_mask=use_advantage_mask, norm_length=norm_length)
+    totals, grad_norm, reasons = _Totals(), math.nan, []
+    if prep.policy_norms.num_tokens > 0:
+        grad_norm, reason = _accumulate_and_step(
+            policy, optimizer, prep, lambda b, m: _policy_micro_batch(policy, b, m, prep, s, totals), max_grad_norm)
+        policy_skipped = reason is not None
+        reasons += [reason] if reason else []
+    else:
+        policy_skipped = True
+        reasons.append("no tokens in the loss mask")
+    vf_loss = math.nan
+    if critic is not None and prep.value_norms.num_tokens > 0:
+        _, reason = _accumulate_and_step(
+            critic, critic_optimizer, prep, lambda b, m: _critic_micro_batch(critic, b, m, prep, s, totals),
+            max_grad_norm)
+        vf_loss = math.nan if reason else totals.vf_loss
+        reasons += [f"critic: {reason}"] if reason else []
+    seconds = time.perf_counter() - started
+    tokens = math.nan if policy_skipped else prep.policy_norms.num_tokens
+    result = UpdateResult(
+        loss=math.nan if policy_skipped else totals.loss,
+        pg_loss=math.nan if policy_skipped else totals.pg_loss,
+        vf_loss=vf_loss,
+        entropy=totals.entropy_sum / tokens,
+        kl=math.nan if policy_skipped else totals.kl_sum / max(totals.kl_tokens, 1.0),
+        clipfrac=totals.clipped_sum / tokens,
+        grad_norm=grad_norm,
+        lr=float(optimizer.param_groups[0]["lr"]),
+        tokens=int(prep.policy_norms.num_tokens),
+        tokens_per_s=totals.real_tokens / seconds if seconds > 0 else math.nan,
+        seconds=seconds,
+        skipped=bool(reasons),
+        skip_reason="; ".join(reasons) or None,
+    )
+    return result, not policy_skipped
 
 
 def ppo_update(
@@ -189,60 +281,96 @@ def ppo_update(
     use_loss_mask: bool = True,
     use_advantage_mask: bool = True,
     norm_length: float | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
 ) -> UpdateResult:
-    """ONE optimizer step of the PPO clipped objective over all `sequences`.
+    """ONE optimizer step of the PPO clipped objective over all `sequences` (no critic).
 
     Gradients are accumulated over micro-batches of <= micro_batch_tokens padded tokens with
     normalizers counted over all sequences, then clipped to max_grad_norm (None: not clipped).
     norm_length: the seq-mean-token-sum-norm constant (default: the largest number of loss tokens
     in one sequence of this update; pass the generation budget for Dr.GRPO's fixed constant).
+    kl_coef > 0 adds kl_coef * KL(kl_estimator) to the reference (sequences' ref_logprobs).
     The learning rate is read from the optimizer (the caller owns the schedule). The model is in
     train mode during the update and gets its previous mode back afterwards.
     """
+    settings = _LossSettings(clip_low, clip_high, dual_clip, entropy_coef, temperature, agg_mode, kl_coef, kl_estimator)
+    result, _ = _update(model, optimizer, sequences, settings, critic=None, critic_optimizer=None, pad_id=pad_id,
+                        micro_batch_tokens=micro_batch_tokens, max_grad_norm=max_grad_norm,
+                        use_loss_mask=use_loss_mask, use_advantage_mask=use_advantage_mask, norm_length=norm_length)
+    return result
+
+
+def _check_iteration_inputs(sequences, critic, critic_optimizer, kl_coef, epochs, mini_batches) -> None:
+    if epochs < 1 or mini_batches < 1:
+        raise ValueError(f"epochs and mini_batches must be >= 1, got {epochs} and {mini_batches}")
     if not sequences:
-        raise ValueError("ppo_update needs at least one sequence")
-    started = time.perf_counter()
-    settings = _LossSettings(clip_low, clip_high, dual_clip, entropy_coef, temperature, agg_mode)
-    device = next(model.parameters()).device
-    batches = [b.to(device) for b in make_micro_batches(sequences, max_tokens=micro_batch_tokens, pad_id=pad_id)]
-    all_masks = [derive_masks(b.action_mask, b.attention_mask, use_loss_mask=use_loss_mask,
-                              use_advantage_mask=use_advantage_mask) for b in batches]
-    norms = _normalizers(all_masks, norm_length)
-    totals, grad_norm = _Totals(), math.nan
-    skip_reason = None if norms.num_tokens > 0 else "no tokens in the loss mask"
-    was_training = model.training
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    try:
-        for batch, masks in zip(batches, all_masks):
-            if skip_reason is not None:
-                break
-            batch_loss = _micro_batch_step(model, batch, masks, norms, settings, totals)
-            if not torch.isfinite(batch_loss):
-                skip_reason = f"non-finite loss ({float(batch_loss)}) in a micro-batch"
-        if skip_reason is None:
-            grad_norm, skip_reason = _clip_and_step(optimizer, max_grad_norm)
-        optimizer.zero_grad(set_to_none=True)
-    finally:
-        model.train(was_training)
-    return _result(totals, norms, grad_norm, float(optimizer.param_groups[0]["lr"]), started, skip_reason)
+        raise ValueError("train_iteration needs at least one training sequence")
+    if (critic is None) != (critic_optimizer is None):
+        raise ValueError("give both critic and critic_optimizer, or neither")
+    if critic is not None and any(s.old_values is None or s.returns is None for s in sequences):
+        raise ValueError("a critic update needs old_values and returns on every training sequence "
+                         "(computed by the advantages stage)")
+    if kl_coef > 0 and any(s.ref_logprobs is None for s in sequences):
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs on every training sequence (or set kl_coef=0)")
 
 
-def _result(
-    totals: _Totals, norms: _Normalizers, grad_norm: float, lr: float, started: float, skip_reason: str | None
-) -> UpdateResult:
-    skipped = skip_reason is not None
-    tokens = math.nan if skipped else norms.num_tokens
-    return UpdateResult(
-        loss=math.nan if skipped else totals.loss,
-        pg_loss=math.nan if skipped else totals.pg_loss,
-        entropy=totals.entropy_sum / tokens,
-        kl=totals.kl_sum / tokens,
-        clipfrac=totals.clipped_sum / tokens,
-        grad_norm=grad_norm,
-        lr=lr,
-        tokens=int(norms.num_tokens),
-        seconds=time.perf_counter() - started,
-        skipped=skipped,
-        skip_reason=skip_reason,
-    )
+def train_iteration(
+    policy: torch.nn.Module,
+    policy_optimizer: torch.optim.Optimizer,
+    sequences: Sequence[TrainSequence],
+    *,
+    critic: torch.nn.Module | None = None,
+    critic_optimizer: torch.optim.Optimizer | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    pad_id: int,
+    epochs: int = 1,
+    mini_batches: int = 1,
+    seed: int = 0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    entropy_coef: float = 0.0,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    value_clip: float | None = 0.2,
+    vf_coef: float = 1.0,
+    max_grad_norm: float | None = 1.0,
+    micro_batch_tokens: int = 4096,
+    temperature: float = 1.0,
+    agg_mode: str = "token-mean",
+    use_loss_mask: bool = True,
+    use_advantage_mask: bool = True,
+    norm_length: float | None = None,
+    recompute_old_logprobs: bool = False,
+) -> list[UpdateResult]:
+    """PPO on one iteration's sequences: `epochs` passes, each over `mini_batches` shuffled mini-batches.
+
+    One policy optimizer step per mini-batch (see ``ppo_update``) and, with a critic, one critic
+    step on the clipped value loss (value_clip; None = unclipped) scaled by vf_coef, with its own
+    optimizer and the same max_grad_norm. The shuffle is drawn from a generator seeded by `seed`.
+    recompute_old_logprobs: the old log-probs of every position are the policy's before the
+    first step (else the rollout's sampling log-probs). The scheduler, if given, steps after
+    every policy step that was taken. Fewer sequences than mini_batches (packing shrinks the row
+    count) gives one mini-batch per sequence. Returns one UpdateResult per mini-batch, in order.
+    """
+    _check_iteration_inputs(sequences, critic, critic_optimizer, kl_coef, epochs, mini_batches)
+    if recompute_old_logprobs:
+        fresh = score_logprobs(policy, [s.input_ids for s in sequences], pad_id, micro_batch_tokens, temperature)
+        sequences = [replace(s, old_logprobs=logprobs) for s, logprobs in zip(sequences, fresh)]
+    settings = _LossSettings(clip_low, clip_high, dual_clip, entropy_coef, temperature, agg_mode, kl_coef, kl_estimator,
+                             old_logprobs_everywhere=recompute_old_logprobs, value_clip=value_clip, vf_coef=vf_coef)
+    generator = torch.Generator().manual_seed(seed)
+    results = []
+    for _ in range(epochs):
+        order = torch.randperm(len(sequences), generator=generator)
+        for chunk in torch.tensor_split(order, min(mini_batches, len(sequences))):
+            result, policy_stepped = _update(
+                policy, policy_optimizer, [sequences[i] for i in chunk.tolist()], settings, critic=critic,
+                critic_optimizer=critic_optimizer, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens,
+                max_grad_norm=max_grad_norm, use_loss_mask=use_loss_mask, use_advantage_mask=use_advantage_mask,
+                norm_length=norm_length)
+            if scheduler is not None and policy_stepped:
+                scheduler.step()
+            results.append(result)
+    return results

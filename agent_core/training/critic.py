@@ -1,0 +1,69 @@
+"""The PPO critic: the policy's transformer backbone with a scalar value head, and batched scoring.
+
+``ValueModel`` = a copy of the policy's backbone (e.g. ``LlamaModel``, no LM head) +
+``Linear(hidden, 1)``, zero-initialised so every value starts at 0 (the returns' scale is then
+learnt rather than guessed from a random head). ``values`` uses the log-prob alignment of
+``agent_core.training.trainer.sequence_logprobs``: position t holds V(state before token t) =
+head(hidden state at t - 1), position 0 and padding hold 0. So the value, log-prob, advantage and
+return of token t all sit at index t.
+
+Where this differs from verl/OpenRLHF critics: those read the value at token t from the hidden
+state AT t (the state after the token). Here the state before the token is used, so the critic
+sees exactly the context the policy conditioned on when it chose token t.
+
+Saving, loading and building a critic from a policy checkpoint are disk work, in
+``agent_core.io.critics``.
+
+``score_logprobs`` (re-exported from agent_core.training.scoring) and ``score_values`` are the no-grad, eval-mode,
+token-budgeted scorers the advantages stage uses for reference log-probs and values.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+import torch
+
+from agent_core.training.scoring import score_in_micro_batches, score_logprobs
+
+__all__ = ["ValueModel", "value_model_from_policy", "score_logprobs", "score_values"]
+
+
+
+class ValueModel(torch.nn.Module):
+    """Backbone (a transformers base model returning last_hidden_state) + float32 scalar head."""
+
+    def __init__(self, backbone: torch.nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        hidden_size = backbone.config.hidden_size
+        device = next(backbone.parameters()).device
+        self.value_head = torch.nn.Linear(hidden_size, 1, device=device, dtype=torch.float32)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Float32 [B, L]: position t = V(tokens < t) = head(hidden[t - 1]); position 0 and padding 0."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        per_state = self.value_head(hidden[:, :-1].float()).squeeze(-1)
+        first = per_state.new_zeros(per_state.shape[0], 1)
+        return torch.cat([first, per_state], dim=1) * attention_mask.to(torch.float32)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.values(input_ids, attention_mask)
+
+
+def value_model_from_policy(policy: torch.nn.Module) -> ValueModel:
+    """A critic on a deep copy of `policy`'s backbone (``base_model``: the model without its LM head)."""
+    backbone = getattr(policy, "base_model", None)
+    if backbone is None or backbone is policy:
+        raise ValueError(f"{type(policy).__name__} has no separate base model to put a value head on")
+    return ValueModel(copy.deepcopy(backbone))
+
+
+def score_values(
+    critic: ValueModel, sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int
+) -> list[list[float]]:
+    """Per-token values of each token sequence (position 0: 0.0), micro-batched by tokens, no grad."""
+    return score_in_micro_batches(sequences, pad_id, max_tokens, critic.values, critic)

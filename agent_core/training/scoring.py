@@ -1,0 +1,96 @@
+"""Token log-probs of a causal LM, and batched no-grad scoring of token sequences.
+
+Alignment everywhere: position t holds the value for token t itself (its log-prob given tokens
+< t); position 0 has no context and holds 0. `score_logprobs` / `score_in_micro_batches` are the
+no-grad, eval-mode, token-budgeted scorers the advantages stage uses for reference log-probs and
+critic values; the trainer uses `sequence_logprobs` with gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from agent_core.algos.losses import entropy_from_logits
+from agent_core.training.batches import TrainSequence, pad_sequences, token_budget_groups
+
+
+def _shifted_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scores = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    if scores.dtype != torch.float32:
+        scores = scores.float()
+    return scores / temperature if temperature != 1.0 else scores
+
+
+def _with_first_position(per_token: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    first = per_token.new_zeros(per_token.shape[0], 1)
+    return torch.cat([first, per_token], dim=1) * attention_mask.to(torch.float32)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies of a causal LM, both float32 [B, L].
+
+    input_ids, attention_mask: [B, L]. Position t holds log p(input_ids[t] | input_ids[<t]) under
+    softmax(logits / temperature), and the entropy of that distribution; position 0 (no context)
+    and padding positions hold 0. entropy_grad=False computes the entropy without autograd
+    (row by row, bounding memory) when it is only a metric.
+    Memory: log p is logit[target] - logsumexp(logits), so no [B, L, V] log-softmax is built; the
+    only full-size copies are the temperature division / float32 upcast (skipped when not needed)
+    and the softmax inside the entropy.
+    """
+    scores = _shifted_scores(model, input_ids, attention_mask, temperature)
+    token_logprobs = scores.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+    if entropy_grad:
+        entropy = entropy_from_logits(scores)
+    else:
+        with torch.no_grad():
+            entropy = torch.cat([entropy_from_logits(row[None]) for row in scores.detach()], dim=0)
+    return _with_first_position(token_logprobs, attention_mask), _with_first_position(entropy, attention_mask)
+
+
+def score_in_micro_batches(
+    sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int,
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], module: torch.nn.Module,
+) -> list[list[float]]:
+    """No-grad, eval-mode per-token scores [B, L] -> one list per sequence (same length as it).
+
+    Sequences are grouped into right-padded micro-batches of <= max_tokens padded tokens; the
+    module's train/eval mode is restored afterwards.
+    """
+    device = next(module.parameters()).device
+    out: list[list[float]] = [[] for _ in sequences]
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            for group in token_budget_groups([len(s) for s in sequences], max_tokens):
+                rows = [TrainSequence(list(sequences[i]), [0] * len(sequences[i]), [0.0] * len(sequences[i]),
+                                      [0.0] * len(sequences[i])) for i in group]
+                batch = pad_sequences(rows, tuple(group), pad_id).to(device)
+                scores = score(batch.input_ids, batch.attention_mask).float().cpu()
+                for row, index in enumerate(group):
+                    out[index] = scores[row, : len(sequences[index])].tolist()
+    finally:
+        module.train(was_training)
+    return out
+
+
+def score_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int,
+                   temperature: float) -> list[list[float]]:
+    """Per-token log-probs of each token sequence under `model` (position 0: 0.0), batched, no grad."""
+    def score(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = _shifted_scores(model, ids, mask, temperature)
+        return _with_first_position(scores.gather(-1, ids[:, 1:, None]).squeeze(-1) - scores.logsumexp(-1), mask)
+
+    return score_in_micro_batches(sequences, pad_id, max_tokens, score, model)
