@@ -127,6 +127,13 @@ class AlgorithmConfig(_Section):
     eps: float = Field(1e-6, gt=0)
     use_loss_mask: bool = Field(True, description="off = also train on non-action tokens (ablation)")
     use_advantage_mask: bool = Field(True, description="off = recursion over every token (ablation)")
+    process_reward_weight: float = Field(1.0, ge=0, description="weight of the (normalized) process rewards")
+    process_reward_norm: Literal["none", "max_abs"] = Field(
+        "none", description="max_abs: scale process rewards by the batch's largest absolute process return"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the frozen initial policy (0 = off)")
+    kl_estimator: str = Field("k3", description="k1, k2 or k3 (Schulman's low-variance estimator)")
+    kl_in_reward: bool = Field(False, description="True: subtract the KL from the reward; False: a loss term")
 
     @field_validator("estimator")
     @classmethod
@@ -134,6 +141,13 @@ class AlgorithmConfig(_Section):
         from agent_core.algos.advantages import ADVANTAGE_ESTIMATORS
 
         return ADVANTAGE_ESTIMATORS.check(name)
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _known_kl_estimator(cls, name: str) -> str:
+        from agent_core.algos.kl import KL_ESTIMATORS
+
+        return KL_ESTIMATORS.check(name)
 
 
 class TrainerConfig(_Section):
@@ -146,6 +160,19 @@ class TrainerConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=64, description="padded tokens per micro-batch")
     loss_agg_mode: str = "token-mean"
+    epochs: int = Field(1, ge=1, description="passes over an iteration's data")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up")
+    total_steps: int | None = Field(None, ge=1, description="decay horizon of linear/cosine (default: the run's)")
+    recompute_old_logprobs: bool = Field(
+        False, description="True: old log-probs from the policy before the update; False: the rollout's"
+    )
+    layout: Literal["auto", "step", "packed"] = Field(
+        "auto", description="auto: packed episodes where contexts only append, step rows otherwise"
+    )
+    critic_lr: float = Field(1e-4, gt=0, description="critic learning rate (gae, step_gae)")
+    value_clip: float = Field(0.2, gt=0, description="clip range of the value loss")
 
     @field_validator("loss_agg_mode")
     @classmethod

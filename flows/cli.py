@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (("demo", "train on the built-in task with the embedded defaults"),
                             ("train", "train with a YAML config")):
         cmd = add(name, help_text)
-        cmd.add_argument("--config", default=None, help="YAML config file (default: embedded defaults)")
+        cmd.add_argument("--config", dest="configs", action="append", default=[], metavar="FILE",
+                         help="YAML config file; repeat to layer files, later ones win (default: embedded defaults)")
         cmd.add_argument("--run-id", default=None, help="default: a fresh id")
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set rollout.group_size=8 (repeatable)")
@@ -59,7 +60,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.data_root:
         overrides.append(f"data_root={args.data_root}")
     run_id = args.run_id or new_run_id(args.command)
-    config = load_config(args.config, [*overrides, f"run_id={run_id}"])
+    config = load_config(args.configs, [*overrides, f"run_id={run_id}"])
     configure_environment(config.data_root)
     print(f"agentr1: run {run_id}: {config.iterations} iterations of "
           f"{config.data.prompts_per_iteration} prompts x {config.rollout.group_size} samples "

@@ -37,8 +37,10 @@ def rerun_stage(data_root: str, run_id: str, iteration: int, stage: str, overrid
         "rollout": lambda: rollout(run, k, table("prompts"), dataset.corpus_uri, str(run.policy_dir_before(k)),
                                    config.rollout, config.seed),
         "label_rewards": lambda: label_rewards(run, k, table("steps"), table("prompts"), config.reward),
-        "compute_advantages": lambda: compute_advantages(run, k, table("steps"), table("rewards"), config.algorithm),
+        "compute_advantages": lambda: compute_advantages(run, k, table("steps"), table("rewards"), config.algorithm,
+                                                         config.trainer, config.rollout.temperature),
         "train": lambda: train_policy(run, k, table("steps"), table("advantages"), str(run.policy_dir_before(k)),
-                                      config.trainer, config.algorithm, config.rollout.temperature),
+                                      config.trainer, config.algorithm, config.rollout.temperature,
+                                      config.iterations * config.trainer.epochs * config.trainer.mini_batches),
     }
     return stages[stage]()

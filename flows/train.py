@@ -11,11 +11,12 @@ from pathlib import Path
 
 from prefect import flow
 
+from agent_core.algos.estimator_core import estimator_uses_critic
 from agent_core.config import PipelineConfig
 from agent_core.io.layout import DataRoot, new_run_id
 from agent_core.io.summaries import IterationSummary
 from tasks.compute_advantages import compute_advantages
-from tasks.init_policy import init_policy
+from tasks.init_policy import init_critic, init_policy
 from tasks.label_rewards import label_rewards
 from tasks.prepare_data import prepare_data, prepare_dataset
 from tasks.rollout import rollout
@@ -44,7 +45,10 @@ def train(config: PipelineConfig) -> TrainResult:
     record_config(run, config)
     dataset = prepare_dataset(config.data_root, config.data)
     policy_dir = init_policy(run, dataset, config.policy)
+    if estimator_uses_critic(config.algorithm.estimator):
+        init_critic(run, policy_dir)
     tracking = start_tracking(run, config)
+    total_steps = config.iterations * config.trainer.epochs * config.trainer.mini_batches
 
     reports = []
     for k in range(config.iterations):
@@ -53,9 +57,10 @@ def train(config: PipelineConfig) -> TrainResult:
         steps = rollout(run, k, prompts, dataset.corpus_uri, policy_dir, config.rollout, config.seed)
         rollout_seconds = time.perf_counter() - rollout_started
         rewards = label_rewards(run, k, steps, prompts, config.reward)
-        advantages = compute_advantages(run, k, steps, rewards, config.algorithm)
+        advantages = compute_advantages(run, k, steps, rewards, config.algorithm, config.trainer,
+                                        config.rollout.temperature)
         policy_dir = train_policy(run, k, steps, advantages, policy_dir, config.trainer, config.algorithm,
-                                  config.rollout.temperature)
+                                  config.rollout.temperature, total_steps)
         reports.append(log_iteration(run, k, tracking, policy_dir, config.tracking.model_name, rollout_seconds))
 
     finish_tracking(tracking, config.to_yaml())

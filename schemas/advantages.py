@@ -1,5 +1,11 @@
 """`advantages`: one row per agent step, one advantage (and return) per response token.
 
+`values` are the critic's values (PPO-family estimators) and `ref_logprobs` the frozen reference
+policy's log-probs, both per response token, null when not computed. `obs_advantages`,
+`obs_returns`, `obs_values` cover the observation tokens that follow the response (the next
+step's prompt suffix) and are set only when the advantage mask is off (DESIGN.md §3 ablation) and
+the step's observation is part of the episode grid; null otherwise.
+
 Here only the table's own lengths can be checked (advantages, returns, values, ref_logprobs
 agree); that they match the step's response_ids is a join of two tables, which the stage that
 joins them checks. Row id in errors: `<episode_id>/<step_idx>`.
@@ -33,6 +39,9 @@ class AdvantagesModel(ArrowModel):
     returns: LIST_FLOAT32 = Field()
     values: LIST_FLOAT32 = Field(nullable=True)
     ref_logprobs: LIST_FLOAT32 = Field(nullable=True)
+    obs_advantages: LIST_FLOAT32 = Field(nullable=True)
+    obs_returns: LIST_FLOAT32 = Field(nullable=True)
+    obs_values: LIST_FLOAT32 = Field(nullable=True)
     estimator: STRING = Field()
 
     _iteration_not_negative = row_check("iteration", ">= 0", at_least("iteration", 0))
@@ -45,6 +54,15 @@ class AdvantagesModel(ArrowModel):
     _values_match = row_check("values", "same length as advantages", same_list_length("values", "advantages"))
     _ref_logprobs_match = row_check(
         "ref_logprobs", "same length as advantages", same_list_length("ref_logprobs", "advantages")
+    )
+    _values_finite = row_check("values", "finite", list_items_finite("values"))
+    _ref_logprobs_finite = row_check("ref_logprobs", "finite", list_items_finite("ref_logprobs"))
+    _obs_advantages_finite = row_check("obs_advantages", "finite", list_items_finite("obs_advantages"))
+    _obs_returns_match = row_check(
+        "obs_returns", "same length as obs_advantages", same_list_length("obs_returns", "obs_advantages")
+    )
+    _obs_values_match = row_check(
+        "obs_values", "same length as obs_advantages", same_list_length("obs_values", "obs_advantages")
     )
 
 

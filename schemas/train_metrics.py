@@ -35,6 +35,7 @@ class TrainMetricsModel(ArrowModel):
     grad_norm: FLOAT64 = Field()
     lr: FLOAT64 = Field()
     tokens: INT64 = Field()
+    tokens_per_s: FLOAT64 = Field()
     seconds: FLOAT64 = Field()
     skipped: BOOL = Field()
     skip_reason: STRING = Field(nullable=True)

@@ -1,42 +1,127 @@
-"""Stage 4: per-token advantages of every step, by the configured estimator."""
+"""Stage 4: per-token advantages of every step, by the configured estimator.
+
+Also computes what the estimator and the trainer need from frozen models, so the train stage only
+trains: the critic's values (estimators that use a critic: gae, step_gae) on the episode grid,
+and the reference policy's log-probs of every response (when a KL term is on), stored in the
+`advantages` table. A KL in the reward is subtracted here, on action tokens, as
+kl_coef * KL(rollout policy || reference) per token.
+"""
 
 from __future__ import annotations
 
-import pyarrow.compute as pc
+from pathlib import Path
+from typing import Sequence
 
-from agent_core.algos.step_advantages import StepReward, advantages_for_steps
-from agent_core.config import AlgorithmConfig
+import torch
+
+from agent_core.algos.episodes import EpisodeLayout
+from agent_core.algos.estimator_core import estimator_uses_critic
+from agent_core.algos.kl import kl_penalty
+from agent_core.algos.step_advantages import EpisodeBatch, StepRewardRow, estimate_step_advantages, prepare_episodes
+from agent_core.config import AlgorithmConfig, TrainerConfig
+from agent_core.io.checkpoints import load_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.tables import read_table, write_table
+from agent_core.io.critics import build_critic, load_critic
+from agent_core.training.critic import score_values
+from agent_core.training.scoring import score_logprobs
 from tasks._common import stage_logger, stage_task
 
 
-@stage_task(name="compute_advantages")
-def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_uri: str, cfg: AlgorithmConfig) -> str:
-    steps = read_table("steps", steps_uri)
-    lengths = steps.select(["episode_id", "group_id", "step_idx"]).append_column(
-        "response_length", pc.list_value_length(steps["response_ids"])
-    )
-    rewards = read_table("rewards", rewards_uri).select(["episode_id", "step_idx", "reward"])
-    joined = lengths.join(rewards, keys=["episode_id", "step_idx"], join_type="left outer")
-    rows = joined.to_pylist()
-    missing = [f"{r['episode_id']}/{r['step_idx']}" for r in rows if r["reward"] is None]
+def _rows(steps_uri: str, rewards_uri: str) -> list[dict]:
+    steps = read_table("steps", steps_uri).select(
+        ["episode_id", "group_id", "step_idx", "prompt_ids", "response_ids", "response_logprobs"])
+    rewards = read_table("rewards", rewards_uri).select(["episode_id", "step_idx", "process_reward", "outcome_reward"])
+    reward_of = {(r["episode_id"], r["step_idx"]): r for r in rewards.to_pylist()}  # Arrow joins drop list columns
+    rows = steps.to_pylist()
+    missing = [f"{r['episode_id']}/{r['step_idx']}" for r in rows if (r["episode_id"], r["step_idx"]) not in reward_of]
     if missing:
         raise ValueError(f"{rewards_uri}: no reward for steps {missing[:10]} ({len(missing)} steps)")
-    results = advantages_for_steps(
-        [StepReward(**row) for row in rows],
-        estimator=cfg.estimator, gamma=cfg.gamma, lam=cfg.lam, eps=cfg.eps, norm_by_std=cfg.norm_by_std,
+    for row in rows:
+        reward = reward_of[row["episode_id"], row["step_idx"]]
+        row.update(process_reward=reward["process_reward"], outcome_reward=reward["outcome_reward"])
+    return rows
+
+
+def _critic_values(run: RunLayout, iteration: int, policy_dir: str, micro_batch_tokens: int, pad_id: int):
+    """values(layout) -> [E, T]: the critic of the iteration before, run on each episode's grid."""
+    critic_dir = run.critic_dir_before(iteration)
+    if critic_dir.exists():
+        critic = load_critic(critic_dir)
+    else:  # e.g. a rerun of this stage with gae on a run trained without a critic
+        stage_logger("compute_advantages").warning("no critic at %s: starting one from %s", critic_dir, policy_dir)
+        critic = build_critic(Path(policy_dir))
+
+    def values(layout: EpisodeLayout) -> torch.Tensor:
+        contexts = [layout.row_context(e) for e in range(layout.input_ids.shape[0])]
+        scored = score_values(critic, contexts, pad_id, micro_batch_tokens)
+        grid = torch.zeros(layout.input_ids.shape, dtype=torch.float32)
+        for e, per_token in enumerate(scored):
+            start = len(layout.first_prompt_ids[e])
+            row = per_token[start:start + layout.row_length(e)]
+            grid[e, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        return grid
+
+    return values
+
+
+def _reference_logprobs(run: RunLayout, rows: Sequence[dict], micro_batch_tokens: int, temperature: float) -> list[list[float]]:
+    """The frozen reference policy's log-probs of each step's response tokens."""
+    reference, tokenizer = load_policy(run.reference_policy_dir)
+    sequences = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    scored = score_logprobs(reference, sequences, tokenizer.pad_token_id, micro_batch_tokens, temperature)
+    return [per_token[len(r["prompt_ids"]):] for r, per_token in zip(rows, scored)]
+
+
+def _kl_penalty_grid(batch: EpisodeBatch, rows: Sequence[dict], ref_logprobs: list[list[float]], coef: float,
+                     estimator: str) -> torch.Tensor:
+    """coef * KL(rollout policy || reference) on each step's response tokens of the grid, [E, T]."""
+    per_step = {}
+    for row, ref in zip(rows, ref_logprobs):
+        kl = kl_penalty(torch.tensor([row["response_logprobs"]]), torch.tensor([ref]), estimator)[0]
+        per_step[row["episode_id"], row["step_idx"]] = coef * kl
+    grid = torch.zeros(batch.layout.input_ids.shape, dtype=torch.float32)
+    for e, (episode_id, steps) in enumerate(zip(batch.episode_ids, batch.episode_steps)):
+        for step, span in zip(steps, batch.layout.step_spans[e]):
+            grid[e, span.start: span.response_end] = per_step[episode_id, step.step_idx]
+    return grid
+
+
+@stage_task(name="compute_advantages")
+def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_uri: str, cfg: AlgorithmConfig,
+                       trainer: TrainerConfig | None = None, temperature: float = 1.0) -> str:
+    log = stage_logger("compute_advantages")
+    trainer = trainer or TrainerConfig()
+    rows = _rows(steps_uri, rewards_uri)
+    policy_dir = str(run.policy_dir_before(iteration))
+    batch = prepare_episodes(
+        [StepRewardRow(**{k: r[k] for k in ("episode_id", "group_id", "step_idx", "prompt_ids", "response_ids",
+                                            "process_reward", "outcome_reward")}) for r in rows],
+        process_weight=cfg.process_reward_weight, process_norm=cfg.process_reward_norm,
     )
+    values_fn = ref_logprobs = penalty = None
+    if estimator_uses_critic(cfg.estimator):
+        pad_id = load_policy(Path(policy_dir))[1].pad_token_id
+        values_fn = _critic_values(run, iteration, policy_dir, trainer.micro_batch_tokens, pad_id)
+    if cfg.kl_coef > 0:
+        ref_logprobs = _reference_logprobs(run, rows, trainer.micro_batch_tokens, temperature or 1.0)
+        if cfg.kl_in_reward:
+            penalty = _kl_penalty_grid(batch, rows, ref_logprobs, cfg.kl_coef, cfg.kl_estimator)
+    results = estimate_step_advantages(
+        batch, estimator=cfg.estimator, gamma=cfg.gamma, lam=cfg.lam, eps=cfg.eps, norm_by_std=cfg.norm_by_std,
+        use_advantage_mask=cfg.use_advantage_mask, values=values_fn, kl_penalty=penalty,
+    )
+    ref_of = {(r["episode_id"], r["step_idx"]): ref for r, ref in zip(rows, ref_logprobs or [None] * len(rows))}
     out = [
         {"run_id": run.run_id, "iteration": iteration, "episode_id": r.episode_id, "step_idx": r.step_idx,
-         "advantages": r.advantages, "returns": r.returns, "values": None, "ref_logprobs": None,
-         "estimator": cfg.estimator}
+         "advantages": r.advantages, "returns": r.returns, "values": r.values,
+         "ref_logprobs": ref_of[r.episode_id, r.step_idx], "obs_advantages": r.obs_advantages,
+         "obs_returns": r.obs_returns, "obs_values": r.obs_values, "estimator": cfg.estimator}
         for r in results
     ]
     uri = write_table("advantages", out, run.table_uri(iteration, "advantages"))
     nonzero = sum(1 for r in results if any(a != 0.0 for a in r.advantages))
-    stage_logger("compute_advantages").info(
-        "iteration %d: %s advantages for %d steps (%d with a non-zero signal)", iteration, cfg.estimator,
-        len(results), nonzero,
-    )
+    log.info("iteration %d: %s advantages for %d steps (%d with a non-zero signal)%s%s", iteration, cfg.estimator,
+             len(results), nonzero, ", critic values" if values_fn else "",
+             f", KL to the reference ({cfg.kl_estimator}, {'reward' if cfg.kl_in_reward else 'loss'})" if ref_logprobs else "")
     return uri

@@ -13,6 +13,7 @@ from agent_core.envs.search import Bm25Index
 from agent_core.io.checkpoints import load_policy, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.tables import read_table
+from agent_core.io.critics import build_critic, save_critic
 from agent_core.training.model import build_tiny_policy, build_tokenizer, count_parameters
 from tasks._common import stage_logger, stage_task
 from tasks.prepare_data import DatasetUris
@@ -59,4 +60,15 @@ def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig) -> s
     save_policy(model, tokenizer, target)
     log.info("initial policy (%s, %.2fM parameters, vocab %d) at %s",
              policy.source, count_parameters(model) / 1e6, len(tokenizer), target)
+    return str(target)
+
+
+@stage_task(name="init_critic")
+def init_critic(run: RunLayout, policy_dir: str) -> str:
+    """The critic before iteration 0 (estimators with values): the initial policy's backbone and a
+    fresh value head. Kept if it exists, so a resumed run does not reset it."""
+    target = run.initial_critic_dir
+    if not target.exists():
+        save_critic(build_critic(Path(policy_dir)), target)
+    stage_logger("init_critic").info("initial critic at %s", target)
     return str(target)

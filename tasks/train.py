@@ -1,58 +1,101 @@
-"""Stage 5: one PPO update of the policy on this iteration's steps; save the next checkpoint."""
+"""Stage 5: PPO-style updates of the policy (and the critic, for gae / step_gae) on this iteration's
+steps; save the next checkpoint, the critic and both optimizers' states.
+
+Training rows are packed episodes where an episode's contexts only append (one forward pass per
+episode) and one row per step otherwise (`trainer.layout`). The learning-rate schedule continues
+across iterations from the optimizer's own step count.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
+from agent_core.algos.estimator_core import estimator_uses_critic
 from agent_core.config import AlgorithmConfig, TrainerConfig
 from agent_core.io.checkpoints import load_policy, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.optimizer_state import load_optimizer_state, save_optimizer_state
 from agent_core.io.tables import read_table, write_table
-from agent_core.training.batches import step_sequence
-from agent_core.training.trainer import make_optimizer, ppo_update
+from agent_core.training.batches import TrainStep, choose_layout
+from agent_core.io.critics import build_critic, load_critic, save_critic
+from agent_core.training.schedule import make_lr_scheduler, optimizer_step_count
+from agent_core.training.trainer import make_optimizer, train_iteration
 from tasks._common import stage_logger, stage_task
 
+_ADVANTAGE_FIELDS = ("advantages", "ref_logprobs", "values", "returns", "obs_advantages", "obs_returns", "obs_values")
 
-def _join_steps_and_advantages(steps_uri: str, advantages_uri: str) -> list[dict]:
-    """Each step row with its advantages (Arrow's hash join does not carry list columns)."""
-    steps = read_table("steps", steps_uri).select(["episode_id", "step_idx", "prompt_ids", "response_ids", "response_logprobs"])
-    advantages = read_table("advantages", advantages_uri).select(["episode_id", "step_idx", "advantages"])
-    by_step = {(r["episode_id"], r["step_idx"]): r["advantages"] for r in advantages.to_pylist()}
-    rows = [{**r, "advantages": by_step.get((r["episode_id"], r["step_idx"]))} for r in steps.to_pylist()]
-    missing = [f"{r['episode_id']}/{r['step_idx']}" for r in rows if r["advantages"] is None]
+
+def _episodes(steps_uri: str, advantages_uri: str) -> list[list[TrainStep]]:
+    """Each episode's steps in order, with their advantages (Arrow's hash join drops list columns)."""
+    steps = read_table("steps", steps_uri).select(
+        ["episode_id", "step_idx", "prompt_ids", "response_ids", "response_logprobs"]).to_pylist()
+    advantages = {(r["episode_id"], r["step_idx"]): r for r in read_table("advantages", advantages_uri).to_pylist()}
+    missing = [f"{s['episode_id']}/{s['step_idx']}" for s in steps if (s["episode_id"], s["step_idx"]) not in advantages]
     if missing:
         raise ValueError(f"{advantages_uri}: no advantages for steps {missing[:10]} ({len(missing)} steps)")
-    return rows
+    episodes: dict[str, list[tuple[int, TrainStep]]] = {}
+    for s in steps:
+        extra = advantages[s["episode_id"], s["step_idx"]]
+        step = TrainStep(s["prompt_ids"], s["response_ids"], s["response_logprobs"],
+                         **{name: extra[name] for name in _ADVANTAGE_FIELDS})
+        episodes.setdefault(s["episode_id"], []).append((s["step_idx"], step))
+    return [[step for _, step in sorted(rows, key=lambda r: r[0])] for rows in episodes.values()]
+
+
+def _critic_and_optimizer(run: RunLayout, iteration: int, policy_dir: str, cfg: TrainerConfig):
+    critic_dir = run.critic_dir_before(iteration)
+    critic = load_critic(critic_dir) if critic_dir.exists() else build_critic(Path(policy_dir))
+    optimizer = make_optimizer(critic, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+    if iteration > 0:
+        load_optimizer_state(optimizer, run.critic_optimizer_state_path(iteration - 1))
+    return critic, optimizer
 
 
 @stage_task(name="train")
 def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, policy_dir: str,
-                 cfg: TrainerConfig, algorithm: AlgorithmConfig, temperature: float) -> str:
-    """Update the policy of `policy_dir` and save it as this iteration's checkpoint; return its path."""
+                 cfg: TrainerConfig, algorithm: AlgorithmConfig, temperature: float, total_steps: int = 0) -> str:
+    """Update the policy of `policy_dir` and save it as this iteration's checkpoint; return its path.
+
+    total_steps: the decay horizon of a linear/cosine schedule (default: this iteration's steps).
+    """
     log = stage_logger("train")
-    sequences = [
-        step_sequence(r["prompt_ids"], r["response_ids"], r["response_logprobs"], r["advantages"])
-        for r in _join_steps_and_advantages(steps_uri, advantages_uri)
-    ]
+    sequences = choose_layout(_episodes(steps_uri, advantages_uri), cfg.layout)
     model, tokenizer = load_policy(Path(policy_dir))
     optimizer = make_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if iteration > 0:
         load_optimizer_state(optimizer, run.optimizer_state_path(iteration - 1))
-    result = ppo_update(
-        model, optimizer, sequences, pad_id=tokenizer.pad_token_id, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef, max_grad_norm=cfg.max_grad_norm,
-        micro_batch_tokens=cfg.micro_batch_tokens, temperature=temperature or 1.0, agg_mode=cfg.loss_agg_mode,
-        use_loss_mask=algorithm.use_loss_mask, use_advantage_mask=algorithm.use_advantage_mask,
+    steps_now = cfg.epochs * cfg.mini_batches
+    scheduler = make_lr_scheduler(optimizer, name=cfg.lr_schedule, base_lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                                  total_steps=max(cfg.total_steps or total_steps, steps_now),
+                                  start_step=optimizer_step_count(optimizer))
+    critic = critic_optimizer = None
+    if estimator_uses_critic(algorithm.estimator):
+        critic, critic_optimizer = _critic_and_optimizer(run, iteration, policy_dir, cfg)
+    results = train_iteration(
+        model, optimizer, sequences, critic=critic, critic_optimizer=critic_optimizer, scheduler=scheduler,
+        pad_id=tokenizer.pad_token_id, epochs=cfg.epochs, mini_batches=cfg.mini_batches, seed=iteration,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef,
+        kl_coef=0.0 if algorithm.kl_in_reward else algorithm.kl_coef, kl_estimator=algorithm.kl_estimator,
+        value_clip=cfg.value_clip, max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
+        temperature=temperature or 1.0, agg_mode=cfg.loss_agg_mode, use_loss_mask=algorithm.use_loss_mask,
+        use_advantage_mask=algorithm.use_advantage_mask, recompute_old_logprobs=cfg.recompute_old_logprobs,
     )
     checkpoint = save_policy(model, tokenizer, run.checkpoint_dir(iteration))
     save_optimizer_state(optimizer, run.optimizer_state_path(iteration))
-    metrics = {"run_id": run.run_id, "iteration": iteration, "update_idx": 0, "vf_loss": None,
-               **dataclasses.asdict(result)}
-    write_table("train_metrics", [metrics], run.table_uri(iteration, "train_metrics"))
-    if result.skipped:
-        log.warning("iteration %d: update skipped: %s", iteration, result.skip_reason)
-    log.info("iteration %d: loss %.4f, kl %.5f, clipfrac %.3f, grad norm %.3f, %d tokens in %.1fs",
-             iteration, result.loss, result.kl, result.clipfrac, result.grad_norm, result.tokens, result.seconds)
+    if critic is not None:
+        save_critic(critic, run.critic_dir(iteration))
+        save_optimizer_state(critic_optimizer, run.critic_optimizer_state_path(iteration))
+    rows = [{"run_id": run.run_id, "iteration": iteration, "update_idx": i,
+             **{k: (None if k == "vf_loss" and math.isnan(v) else v) for k, v in dataclasses.asdict(r).items()}}
+            for i, r in enumerate(results)]
+    write_table("train_metrics", rows, run.table_uri(iteration, "train_metrics"))
+    for i, r in enumerate(results):
+        if r.skipped:
+            log.warning("iteration %d, update %d skipped: %s", iteration, i, r.skip_reason)
+    last = results[-1]
+    log.info("iteration %d: %d updates over %d rows; last: loss %.4f, kl %.5f, clipfrac %.3f, grad norm %.3f%s, "
+             "%.0f tokens/s", iteration, len(results), len(sequences), last.loss, last.kl, last.clipfrac,
+             last.grad_norm, f", value loss {last.vf_loss:.4f}" if critic is not None else "", last.tokens_per_s)
     return str(checkpoint)

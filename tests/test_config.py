@@ -66,3 +66,17 @@ def test_missing_file_and_bad_override_are_clear(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(None, ["iterations"])
+
+
+def test_config_files_layer_key_by_key():
+    config = load_config([REPO_ROOT / "configs" / "tiny.yaml", REPO_ROOT / "configs" / "algos" / "ppo.yaml"],
+                         ["algorithm.lam=0.95"])
+    assert config.policy.hidden_size == 32 and config.rollout.group_size == 2  # from tiny.yaml
+    assert config.algorithm.estimator == "gae" and config.algorithm.kl_in_reward  # from ppo.yaml
+    assert config.algorithm.lam == 0.95 and config.algorithm.norm_by_std  # override, then defaults
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO_ROOT / "configs" / "algos").glob("*.yaml")))
+def test_every_algorithm_config_loads(name):
+    config = load_config(REPO_ROOT / "configs" / "algos" / f"{name}.yaml")
+    assert config.algorithm.estimator in {"grpo", "gae", "rloo", "reinforce_pp", "reinforce_pp_baseline"}

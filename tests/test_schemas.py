@@ -36,11 +36,13 @@ EXPECTED_SCHEMAS = {
                 ("scorer", S, False)],
     "advantages": [("run_id", S, False), ("iteration", I32, False), ("episode_id", S, False), ("step_idx", I32, False),
                    ("advantages", pa.list_(F32), False), ("returns", pa.list_(F32), False),
-                   ("values", pa.list_(F32), True), ("ref_logprobs", pa.list_(F32), True), ("estimator", S, False)],
+                   ("values", pa.list_(F32), True), ("ref_logprobs", pa.list_(F32), True),
+                   ("obs_advantages", pa.list_(F32), True), ("obs_returns", pa.list_(F32), True),
+                   ("obs_values", pa.list_(F32), True), ("estimator", S, False)],
     "train_metrics": [("run_id", S, False), ("iteration", I32, False), ("update_idx", I32, False), ("loss", F64, False),
                       ("pg_loss", F64, False), ("vf_loss", F64, True), ("entropy", F64, False), ("kl", F64, False),
                       ("clipfrac", F64, False), ("grad_norm", F64, False), ("lr", F64, False), ("tokens", I64, False),
-                      ("seconds", F64, False), ("skipped", B, False), ("skip_reason", S, True)],
+                      ("tokens_per_s", F64, False), ("seconds", F64, False), ("skipped", B, False), ("skip_reason", S, True)],
 }
 
 
@@ -95,14 +97,16 @@ def rewards_rows() -> list[dict]:
 def advantages_rows() -> list[dict]:
     return [
         {"run_id": "r1", "iteration": 0, "episode_id": f"ep-{e}", "step_idx": s, "advantages": [0.5, -0.5],
-         "returns": [1.0, 1.0], "values": None if e else [0.2, 0.3], "ref_logprobs": None, "estimator": "grpo"}
+         "returns": [1.0, 1.0], "values": None if e else [0.2, 0.3], "ref_logprobs": None,
+         "obs_advantages": [0.1, 0.2, 0.3] if e else None, "obs_returns": [1.0, 1.0, 1.0] if e else None,
+         "obs_values": None, "estimator": "grpo"}
         for e in range(2) for s in range(3)
     ]
 
 
 def train_metrics_rows() -> list[dict]:
     base = {"run_id": "r1", "iteration": 0, "loss": 0.5, "pg_loss": 0.4, "vf_loss": None, "entropy": 1.2, "kl": 0.01,
-            "clipfrac": 0.1, "grad_norm": 0.7, "lr": 1e-5, "tokens": 100, "seconds": 2.5, "skipped": False,
+            "clipfrac": 0.1, "grad_norm": 0.7, "lr": 1e-5, "tokens": 100, "tokens_per_s": 40.0, "seconds": 2.5, "skipped": False,
             "skip_reason": None}
     skipped = {**base, "update_idx": 1, "loss": math.nan, "pg_loss": math.nan, "grad_norm": math.nan,
                "skipped": True, "skip_reason": "no gradient signal"}
@@ -213,6 +217,10 @@ ADVANTAGES_CASES = [
     (_set(values=[0.1]), 1, "values", "same length as advantages", "ep-0/1"),
     (_set(ref_logprobs=[-1.0, -1.0, -1.0]), 1, "ref_logprobs", "same length as advantages", "ep-0/1"),
     (_set(step_idx=2), 0, "step_idx", "unique per episode_id", "ep-0/2"),
+    (_set(values=[0.1, math.nan]), 0, "values", "finite", "ep-0/0"),
+    (_set(obs_advantages=[0.1, math.inf, 0.0]), 3, "obs_advantages", "finite", "ep-1/0"),
+    (_set(obs_returns=[1.0]), 3, "obs_returns", "same length as obs_advantages", "ep-1/0"),
+    (_set(obs_values=[1.0]), 4, "obs_values", "same length as obs_advantages", "ep-1/1"),
 ]
 TRAIN_METRICS_CASES = [
     (_set(loss=math.nan), 0, "loss", "finite unless skipped", "r1/0/0"),

@@ -6,6 +6,7 @@
       runs/<run_id>/iteration=<k>/<table>.parquet    prompts, steps, rewards, advantages, train_metrics
       runs/<run_id>/iteration=<k>/checkpoint/        the policy after iteration k
       runs/<run_id>/iteration=<k>/optimizer.pt       its optimizer state (Adam moments)
+      runs/<run_id>/initial_critic/, iteration=<k>/critic/   the critic (gae, step_gae), + critic_optimizer.pt
       datasets/<dataset_id>/{prompts,corpus}.parquet shared by every run that uses the dataset
       prefect/                                       PREFECT_HOME
       mlflow.db, mlartifacts/                        MLflow tracking store and artifacts
@@ -118,3 +119,22 @@ class RunLayout:
     def policy_dir_before(self, iteration: int) -> Path:
         """The policy that iteration `iteration` rolls out with."""
         return self.initial_policy_dir if iteration == 0 else self.checkpoint_dir(iteration - 1)
+
+    @property
+    def reference_policy_dir(self) -> Path:
+        """The frozen reference of the KL terms: the initial policy."""
+        return self.initial_policy_dir
+
+    @property
+    def initial_critic_dir(self) -> Path:
+        return self.run_dir / "initial_critic"
+
+    def critic_dir(self, iteration: int) -> Path:
+        """The critic after iteration `iteration` (estimators with values: gae, step_gae)."""
+        return self.iteration_dir(iteration) / "critic"
+
+    def critic_dir_before(self, iteration: int) -> Path:
+        return self.initial_critic_dir if iteration == 0 else self.critic_dir(iteration - 1)
+
+    def critic_optimizer_state_path(self, iteration: int) -> Path:
+        return self.iteration_dir(iteration) / "critic_optimizer.pt"

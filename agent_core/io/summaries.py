@@ -21,6 +21,7 @@ class IterationSummary:
     generated_tokens: int
     loss: float
     pg_loss: float
+    value_loss: float  # nan without a critic
     kl: float
     entropy: float
     clipfrac: float
@@ -43,8 +44,8 @@ select count(*), avg(ret), avg(em), avg(f1), avg(fmt), avg(steps) from episodes
 """
 _STEPS_SQL = "select coalesce(sum(len(response_ids)), 0) from read_parquet(?)"
 _TRAIN_SQL = """
-select avg(loss), avg(pg_loss), avg(kl), avg(entropy), avg(clipfrac), avg(grad_norm),
-       sum(tokens) / greatest(sum(seconds), 1e-9), count(*) filter (where skipped)
+select avg(loss), avg(pg_loss), avg(vf_loss), avg(kl), avg(entropy), avg(clipfrac), avg(grad_norm),
+       avg(tokens_per_s), count(*) filter (where skipped)
 from read_parquet(?)
 """
 
@@ -55,11 +56,12 @@ def iteration_summary(run: RunLayout, iteration: int) -> IterationSummary:
         generated = con.execute(_STEPS_SQL, [run.table_uri(iteration, "steps")]).fetchall()[0][0]
         train = con.execute(_TRAIN_SQL, [run.table_uri(iteration, "train_metrics")]).fetchall()[0]
     count, reward, em, f1, fmt, steps = episodes
-    loss, pg_loss, kl, entropy, clipfrac, grad_norm, tokens_per_s, skipped = train
+    loss, pg_loss, value_loss, kl, entropy, clipfrac, grad_norm, tokens_per_s, skipped = train
     return IterationSummary(
         iteration=iteration, episodes=int(count), mean_reward=float(reward or 0.0), em=float(em or 0.0),
         f1=float(f1 or 0.0), format_score=float(fmt or 0.0), steps_per_episode=float(steps or 0.0),
-        generated_tokens=int(generated), loss=float(loss), pg_loss=float(pg_loss), kl=float(kl),
+        generated_tokens=int(generated), loss=float(loss), pg_loss=float(pg_loss),
+        value_loss=float("nan") if value_loss is None else float(value_loss), kl=float(kl),
         entropy=float(entropy), clipfrac=float(clipfrac), grad_norm=float(grad_norm),
         train_tokens_per_s=float(tokens_per_s), skipped_updates=int(skipped),
     )
