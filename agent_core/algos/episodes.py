@@ -90,8 +90,10 @@ class StepParts(NamedTuple):
     observation: list[float]
 
 
-def is_append_only(steps: Sequence[EpisodeStep]) -> bool:
-    """True when every step's prompt starts with the previous step's prompt + response."""
+def is_append_only(steps: Sequence) -> bool:
+    """True when every step's prompt starts with the previous step's prompt + response.
+
+    steps: anything with `prompt_ids` and `response_ids` (EpisodeStep, training's TrainStep)."""
     for previous, current in zip(steps, steps[1:]):
         context = list(previous.prompt_ids) + list(previous.response_ids)
         if list(current.prompt_ids[: len(context)]) != context:

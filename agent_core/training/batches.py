@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from agent_core.algos.episodes import is_append_only  # noqa: F401  (re-exported; steps of either kind)
 from agent_core.algos.masks import action_mask_for_step
 
 LAYOUTS = ("auto", "step", "packed")
@@ -150,15 +151,6 @@ class ObservationValues:
         return ObservationValues(
             pick(stored["obs_advantages"]), pick(stored["obs_returns"]), pick(stored["obs_values"])
         )
-
-
-def is_append_only(steps: Sequence[TrainStep]) -> bool:
-    """True when every step's prompt starts with the previous step's prompt + response."""
-    for before, after in zip(steps, steps[1:]):
-        context = list(before.prompt_ids) + list(before.response_ids)
-        if list(after.prompt_ids[: len(context)]) != context:
-            return False
-    return True
 
 
 def _observation_span(before: TrainStep, after: TrainStep) -> int:
