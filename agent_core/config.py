@@ -182,6 +182,30 @@ class TrainerConfig(_Section):
         return LOSS_AGG_MODES.check(name)
 
 
+class WarmStartConfig(_Section):
+    """Supervised warm start before RL: imitate selected episodes (DESIGN: agent_core/training/sft.py).
+
+    source oracle: a scripted agent solves `prompts` training prompts of the built-in task first.
+    steps: the episodes of an existing steps table (`steps_uri`, with its rewards table next to it).
+    select_sql picks the episodes (DuckDB over views `steps` and `rewards`; must return episode_id).
+    """
+
+    enabled: bool = False
+    source: Literal["oracle", "steps"] = "oracle"
+    prompts: int = Field(64, ge=1, description="oracle: training prompts solved by the scripted agent")
+    steps_uri: str | None = Field(None, description="source steps: a steps.parquet with rewards.parquet beside it")
+    select_sql: str = "select episode_id from rewards where em = 1"
+    epochs: int = Field(3, ge=1)
+    batch_size: int = Field(16, ge=1, description="sequences per optimizer step")
+    lr: float = Field(1e-3, gt=0)
+
+    @model_validator(mode="after")
+    def _steps_source_has_a_table(self) -> "WarmStartConfig":
+        if self.source == "steps" and not self.steps_uri:
+            raise ValueError("warm_start.source=steps needs warm_start.steps_uri (a steps.parquet)")
+        return self
+
+
 class TrackingConfig(_Section):
     tracking_uri: str | None = Field(None, description="default: sqlite database in the data root")
     experiment: str = "agentr1"
@@ -202,6 +226,7 @@ class PipelineConfig(_Section):
     reward: RewardConfig = RewardConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="before")

@@ -28,6 +28,25 @@ def _env_of(prompt, cfg: RolloutConfig) -> tuple[str, dict]:
     return prompt.env_name, {**prompt.env_kwargs, **cfg.env_kwargs}
 
 
+def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConfig, *, seed: int,
+             policy_version: int, episode_prefix: str, group_size: int | None = None) -> list:
+    """Episodes of `prompts` with `engine` in the config's envs; the step records (also used by the
+    warm start's oracle episodes)."""
+    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
+    resources = EnvResources(search_index=Bm25Index(documents), chat=chat)
+    sampling = SamplingParams(
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        seed=seed, stop_token_ids=eos_token_ids(tokenizer),
+    )
+    settings = LoopSettings(
+        group_size=group_size or cfg.group_size, max_steps=cfg.max_steps, max_context_tokens=cfg.max_context_tokens,
+        policy_version=policy_version, episode_prefix=episode_prefix,
+        context=ContextPolicy(cfg.context_mode, cfg.keep_last_turns, cfg.max_observation_tokens),
+        env_workers=cfg.env_workers, straggler_wait_s=cfg.straggler_wait_s,
+    )
+    return run_episodes(engine, tokenizer, prompts, lambda p: make_env(*_env_of(p, cfg), resources), sampling, settings)
+
+
 @stage_task(name="rollout")
 def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, policy_dir: str,
             cfg: RolloutConfig, seed: int) -> str:
@@ -35,24 +54,10 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     prompts = [row_to_prompt(row) for row in read_table("prompts", prompts_uri).to_pylist()]
     documents = [row_to_document(row) for row in read_table("corpus", corpus_uri).to_pylist()]
     tokenizer = load_tokenizer(Path(policy_dir))
-    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
-    resources = EnvResources(search_index=Bm25Index(documents), chat=chat)
     engine = ENGINES.get(cfg.engine)(Path(policy_dir), EngineOptions(max_batch_size=cfg.max_batch_size))
-    sampling = SamplingParams(
-        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        seed=seed * 100_003 + iteration, stop_token_ids=eos_token_ids(tokenizer),
-    )
-    settings = LoopSettings(
-        group_size=cfg.group_size, max_steps=cfg.max_steps, max_context_tokens=cfg.max_context_tokens,
-        policy_version=iteration, episode_prefix=f"{run.run_id}-i{iteration}-",
-        context=ContextPolicy(cfg.context_mode, cfg.keep_last_turns, cfg.max_observation_tokens),
-        env_workers=cfg.env_workers, straggler_wait_s=cfg.straggler_wait_s,
-    )
     try:
-        records = run_episodes(
-            engine, tokenizer, prompts,
-            lambda p: make_env(*_env_of(p, cfg), resources), sampling, settings
-        )
+        records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
+                           policy_version=iteration, episode_prefix=f"{run.run_id}-i{iteration}-")
     finally:
         close_engine(engine)
     rows = [{"run_id": run.run_id, "iteration": iteration, **dataclasses.asdict(r)} for r in records]

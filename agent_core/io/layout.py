@@ -116,14 +116,29 @@ class RunLayout:
     def optimizer_state_path(self, iteration: int) -> Path:
         return self.iteration_dir(iteration) / "optimizer.pt"
 
+    @property
+    def warm_start_dir(self) -> Path:
+        """The warm start's oracle episodes (steps.parquet, rewards.parquet)."""
+        return self.run_dir / "warm_start"
+
+    @property
+    def warm_start_policy_dir(self) -> Path:
+        """The initial policy after supervised fine-tuning on selected episodes."""
+        return self.run_dir / "warm_start_policy"
+
+    @property
+    def start_policy_dir(self) -> Path:
+        """What RL starts from: the warm-started policy when there is one, else the initial one."""
+        return self.warm_start_policy_dir if self.warm_start_policy_dir.exists() else self.initial_policy_dir
+
     def policy_dir_before(self, iteration: int) -> Path:
         """The policy that iteration `iteration` rolls out with."""
-        return self.initial_policy_dir if iteration == 0 else self.checkpoint_dir(iteration - 1)
+        return self.start_policy_dir if iteration == 0 else self.checkpoint_dir(iteration - 1)
 
     @property
     def reference_policy_dir(self) -> Path:
-        """The frozen reference of the KL terms: the initial policy."""
-        return self.initial_policy_dir
+        """The frozen reference of the KL terms: the policy RL started from."""
+        return self.start_policy_dir
 
     @property
     def initial_critic_dir(self) -> Path:

@@ -135,6 +135,27 @@ def run_query(data_root: Path, sql: str) -> pa.Table:
         con.close()
 
 
+def select_episode_ids(sql: str, tables: dict[str, str]) -> list[str]:
+    """Episode ids chosen by `sql` over views named after `tables` (name -> Parquet file), e.g.
+    `select episode_id from rewards where em = 1` over {"steps": ..., "rewards": ...}.
+
+    The query must return an `episode_id` column; QueryError otherwise, or on a SQL error.
+    """
+    con = duckdb.connect(":memory:")
+    try:
+        for name, uri in tables.items():
+            _create_view(con, name, [Path(uri)])
+        try:
+            result = con.sql(sql)
+        except duckdb.Error as error:
+            raise QueryError(str(error), catalog_views(con)) from None
+        if result is None or "episode_id" not in result.columns:
+            raise QueryError(f"the selection must return an episode_id column: {sql}", catalog_views(con))
+        return [str(v) for v in dict.fromkeys(result.to_arrow_table().column("episode_id").to_pylist()) if v is not None]
+    finally:
+        con.close()
+
+
 # ---- presenting results ------------------------------------------------------------------------
 
 _MAX_CELL = 40

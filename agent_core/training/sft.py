@@ -1,0 +1,85 @@
+"""Supervised fine-tuning on recorded steps: the warm start before RL.
+
+A small model first learns the tool format and the task's moves by imitating successful episodes
+(from a scripted oracle agent, or earlier runs selected by SQL), then improves by RL. The loss is
+the mean negative log-likelihood of the action tokens (the action mask: prompt, observation and
+template-glue tokens are context, never targets), token-mean over each optimizer step, with the
+same token-budgeted micro-batches, gradient clipping and non-finite guard as the PPO trainer.
+
+Where this differs from Agent-R1: the paper starts RL from instruct models that already follow a
+tool format; a from-scratch CPU-scale model needs this warm start to produce any reward at all.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from agent_core.training.batches import TrainSequence, make_micro_batches
+from agent_core.training.scoring import sequence_logprobs
+
+
+@dataclass(frozen=True)
+class SftResult:
+    """One optimizer step: mean NLL per action token, tokens, grad norm; skipped when not finite."""
+
+    epoch: int
+    nll: float
+    tokens: int
+    grad_norm: float
+    seconds: float
+    skipped: bool
+
+
+def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: Sequence[TrainSequence], *,
+             pad_id: int, micro_batch_tokens: int, max_grad_norm: float | None, epoch: int = 0) -> SftResult:
+    """One optimizer step of token-mean NLL over the action tokens of `sequences`."""
+    started = time.perf_counter()
+    device = next(model.parameters()).device
+    batches = [b.to(device) for b in make_micro_batches(sequences, max_tokens=micro_batch_tokens, pad_id=pad_id)]
+    targets = [(b.action_mask * b.attention_mask).float() for b in batches]
+    total_tokens = float(sum(t.sum() for t in targets))
+    if total_tokens == 0:
+        raise ValueError("sft_step: the sequences have no action tokens to learn")
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    nll_sum = 0.0
+    for batch, target in zip(batches, targets):
+        logprobs, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, entropy_grad=False)
+        loss = -(logprobs * target).sum() / total_tokens  # micro-batch share of the step's token mean
+        loss.backward()
+        nll_sum += float(loss.detach())
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf")))
+    skipped = not (math.isfinite(nll_sum) and math.isfinite(norm))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return SftResult(epoch, nll_sum, int(total_tokens), norm, time.perf_counter() - started, skipped)
+
+
+def sft_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: Sequence[TrainSequence], *,
+              pad_id: int, epochs: int, batch_size: int, micro_batch_tokens: int, max_grad_norm: float | None = 1.0,
+              seed: int = 0, log_every: int = 0, log=None) -> list[SftResult]:
+    """`epochs` shuffled passes over `sequences`, one optimizer step per `batch_size` sequences."""
+    if not sequences:
+        raise ValueError("sft_train needs at least one sequence")
+    if epochs < 1 or batch_size < 1:
+        raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
+    rng = random.Random(seed)
+    order = list(range(len(sequences)))
+    results = []
+    for epoch in range(epochs):
+        rng.shuffle(order)
+        for start in range(0, len(order), batch_size):
+            chosen = [sequences[i] for i in order[start:start + batch_size]]
+            results.append(sft_step(model, optimizer, chosen, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens,
+                                    max_grad_norm=max_grad_norm, epoch=epoch))
+            if log is not None and log_every and len(results) % log_every == 0:
+                log.info("warm start: epoch %d, step %d, NLL per action token %.3f", epoch, len(results), results[-1].nll)
+    return results
