@@ -1,0 +1,58 @@
+"""PNG plots for reports: learning curves per algorithm and the final table as bars.
+
+matplotlib with the Agg backend (no display); each function writes one PNG atomically (temporary
+name, then rename) and returns its path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(figure, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.stem}.tmp.png")
+    figure.savefig(temp, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    os.replace(temp, path)
+    return path
+
+
+def plot_curves(curves: Mapping[str, Sequence[tuple[int, float]]], *, title: str, ylabel: str, path: Path) -> Path:
+    """One line per name: (iteration, value) points, e.g. dev EM per iteration for each algorithm."""
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, points in sorted(curves.items()):
+        if points:
+            xs, ys = zip(*sorted(points))
+            axis.plot(xs, ys, marker="o", label=name)
+    axis.set_xlabel("iteration")
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8, loc="best")
+    return _save(figure, path)
+
+
+def plot_bars(values: Mapping[str, tuple[float, float]], *, title: str, ylabel: str, path: Path) -> Path:
+    """One bar per name with an error bar: name -> (mean, std), in the given order."""
+    names = list(values)
+    means = [values[n][0] for n in names]
+    stds = [values[n][1] for n in names]
+    figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(names)), 4))
+    axis.bar(range(len(names)), means, yerr=stds, capsize=4, color="#4C72B0")
+    axis.set_xticks(range(len(names)))
+    axis.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.grid(axis="y", alpha=0.3)
+    for i, mean in enumerate(means):
+        axis.text(i, mean, f"{mean:.3f}", ha="center", va="bottom", fontsize=7)
+    return _save(figure, path)
