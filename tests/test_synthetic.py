@@ -1,6 +1,7 @@
-"""The synthetic 2-hop QA generator: determinism, answerability from exactly its two documents,
-and fair, sized splits. Answers are checked against a reference solver that reads the facts back
-out of the document text, so a question whose answer does not follow from the corpus fails."""
+"""The synthetic multi-hop QA generator: determinism, answerability of every question type from exactly
+its supporting documents, namesake distractors, and splits that share no key entity. Answers are
+checked against a reference solver that reads the facts back out of the document text, so a
+question whose answer does not follow from the corpus fails."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from agent_core.data.synthetic import SYSTEM_PROMPT, TEMPLATES, generate_synthetic_qa
+from agent_core.envs.search import Bm25Index
 from agent_core.types import Document
 
 
@@ -22,23 +24,25 @@ def task():
 @dataclass
 class Facts:
     director: dict[str, str]
+    year: dict[str, int]
     birth_city: dict[str, str]
     spouse: dict[str, str]
     country: dict[str, str]
 
 
-def _set_once(mapping: dict[str, str], key: str, value: str) -> None:
+def _set_once(mapping: dict, key: str, value) -> None:
     assert mapping.setdefault(key, value) == value, f"{key!r} has two values"
 
 
 def read_facts(documents: tuple[Document, ...]) -> Facts:
     """Parse every fact back out of the corpus text (independently of the generator's structures)."""
-    facts = Facts({}, {}, {}, {})
+    facts = Facts({}, {}, {}, {}, {})
     for doc in documents:
         for sentence in re.findall(r"[^.]+\.", doc.text):
             sentence = sentence.strip()
-            if m := re.fullmatch(r"(.+) is a \d{4} film directed by (.+)\.", sentence):
-                _set_once(facts.director, m[1], m[2])
+            if m := re.fullmatch(r"(.+) is a (\d{4}) film directed by (.+)\.", sentence):
+                _set_once(facts.director, m[1], m[3])
+                _set_once(facts.year, m[1], int(m[2]))
             elif m := re.fullmatch(r"(.+) was born in (.+)\.", sentence):
                 _set_once(facts.birth_city, m[1], m[2])
             elif m := re.fullmatch(r"(.+) is married to (.+)\.", sentence):
@@ -51,35 +55,52 @@ def read_facts(documents: tuple[Document, ...]) -> Facts:
     return facts
 
 
-_QUESTION_PATTERNS = {name: re.compile(re.escape(text).replace(r"\{film\}", "(.+)").replace(r"\{person\}", "(.+)"))
-                      for name, text in TEMPLATES.items()}
+_PATTERNS = {
+    name: re.compile(re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>.+)", re.escape(template.text)))
+    for name, template in TEMPLATES.items()
+}
 
 
-def solve(question: str, template: str, facts: Facts) -> tuple[str, str, str]:
-    """(entity asked about, bridge entity, answer) by the template's two hops."""
-    entity = _QUESTION_PATTERNS[template].fullmatch(question)[1]
-    if template == "director_birthplace":
-        bridge = facts.director[entity]
-        return entity, bridge, facts.birth_city[bridge]
-    if template == "director_spouse":
-        bridge = facts.director[entity]
-        return entity, bridge, facts.spouse[bridge]
-    if template == "person_country":
-        bridge = facts.birth_city[entity]
-        return entity, bridge, facts.country[bridge]
-    bridge = facts.spouse[entity]
-    return entity, bridge, facts.birth_city[bridge]
+def slots(prompt) -> dict[str, str]:
+    return _PATTERNS[prompt.metadata["template"]].fullmatch(prompt.messages[1].content.removeprefix("Question: ")).groupdict()
 
 
-def key_person(question: str, template: str, facts: Facts) -> str:
-    entity = _QUESTION_PATTERNS[template].fullmatch(question)[1]
-    return facts.director[entity] if template.startswith("director") else entity
+def solve(template: str, slot: dict[str, str], facts: Facts) -> tuple[list[str], str]:
+    """(the titles of the pages to read, in order; the answer), by the template's hops."""
+    f = facts
+    if template == "film_earlier":
+        a, b = slot["film_a"], slot["film_b"]
+        assert f.year[a] != f.year[b]
+        return [a, b], a if f.year[a] < f.year[b] else b
+    if template == "directors_same_city":
+        a, b = slot["film_a"], slot["film_b"]
+        da, db = f.director[a], f.director[b]
+        assert da != db
+        return [a, b, da, db], "yes" if f.birth_city[da] == f.birth_city[db] else "no"
+    entity = slot.get("film") or slot["person"]
+    chain = [entity]
+    steps = {
+        "director_birthplace": [f.director, f.birth_city], "director_spouse": [f.director, f.spouse],
+        "person_country": [f.birth_city, f.country], "spouse_birthplace": [f.spouse, f.birth_city],
+        "director_country": [f.director, f.birth_city, f.country],
+        "director_spouse_birthplace": [f.director, f.spouse, f.birth_city],
+        "spouse_country": [f.spouse, f.birth_city, f.country],
+    }[template]
+    for relation in steps:
+        chain.append(relation[chain[-1]])
+    return chain[:-1], chain[-1]
+
+
+def key_people(prompt, facts: Facts) -> set[str]:
+    slot = slots(prompt)
+    films = [slot[k] for k in ("film", "film_a", "film_b") if k in slot]
+    return {facts.director[film] for film in films} | ({slot["person"]} if "person" in slot else set())
 
 
 def test_same_seed_same_output_other_seed_different():
     first, again = generate_synthetic_qa(seed=3), generate_synthetic_qa(seed=3)
     assert first == again
-    assert [p.prompt_id for p in first.prompts] == [p.prompt_id for p in again.prompts]
+    assert [p.metadata for p in first.prompts] == [p.metadata for p in again.prompts]
     other = generate_synthetic_qa(seed=4)
     assert other.dataset_id != first.dataset_id
     assert {d.title for d in other.documents} != {d.title for d in first.documents}
@@ -87,77 +108,102 @@ def test_same_seed_same_output_other_seed_different():
 
 
 def test_dataset_id_encodes_every_argument():
-    base = generate_synthetic_qa(seed=0, num_films=20, num_people=12, num_cities=5, num_countries=3)
+    base_args = dict(seed=0, num_films=20, num_people=12, num_cities=5, num_countries=3)
+    base = generate_synthetic_qa(**base_args)
     assert base.dataset_id.startswith("synthetic-s0-f20-p12-c5-n3-")
     variants = [
         dict(num_films=21), dict(num_people=13), dict(num_cities=6), dict(num_countries=4),
-        dict(dev_fraction=0.2), dict(test_fraction=0.2), dict(top_k=5),
+        dict(dev_fraction=0.2), dict(test_fraction=0.2), dict(top_k=5), dict(three_hop_fraction=0.1),
+        dict(comparison_fraction=0.1), dict(distractor_fraction=0.5),
     ]
-    ids = {base.dataset_id}
-    for change in variants:
-        args = dict(seed=0, num_films=20, num_people=12, num_cities=5, num_countries=3) | change
-        ids.add(generate_synthetic_qa(**args).dataset_id)
+    ids = {base.dataset_id} | {generate_synthetic_qa(**(base_args | change)).dataset_id for change in variants}
     assert len(ids) == len(variants) + 1
 
 
-def test_prompt_fields(task):
-    assert len(task.prompts) > 400  # 200 films + 120 people, plus spouse questions
+def test_prompt_fields_and_question_mix(task):
+    assert len(task.prompts) > 800
+    titles = {d.doc_id: d.title for d in task.documents}
     for n, prompt in enumerate(task.prompts):
-        assert prompt.prompt_id == f"synth-0-{n}"
-        assert prompt.data_source == "synthetic"
-        assert [m.role for m in prompt.messages] == ["system", "user"]
-        assert prompt.messages[0].content == SYSTEM_PROMPT
+        assert prompt.prompt_id == f"synth-0-{n}" and prompt.data_source == "synthetic"
+        assert [m.role for m in prompt.messages] == ["system", "user"] and prompt.messages[0].content == SYSTEM_PROMPT
         assert prompt.messages[1].content.startswith("Question: ")
         assert len(prompt.answers) == 1 and prompt.answers[0]
         assert prompt.env_name == "search_qa" and prompt.env_kwargs == {"top_k": 3}
-        assert prompt.metadata["hops"] == 2 and prompt.metadata["template"] in TEMPLATES
-    assert set(Counter(p.metadata["template"] for p in task.prompts)) == set(TEMPLATES)
+        meta, template = prompt.metadata, TEMPLATES[prompt.metadata["template"]]
+        assert (meta["hops"], meta["type"]) == (template.hops, template.type)
+        assert meta["oracle_plan"] == {"queries": [titles[i] for i in meta["supporting_doc_ids"]], "answer": prompt.answers[0]}
+    counts = Counter(p.metadata["template"] for p in task.prompts)
+    assert set(counts) == set(TEMPLATES)
+    share = {kind: sum(n for t, n in counts.items() if check(TEMPLATES[t])) / len(task.prompts) for kind, check in
+             {"3-hop bridge": lambda t: t.type == "bridge" and t.hops == 3, "comparison": lambda t: t.type == "comparison"}.items()}
+    assert share["3-hop bridge"] == pytest.approx(0.25, abs=0.02) and share["comparison"] == pytest.approx(0.2, abs=0.02)
+    yes_no = Counter(p.answers[0] for p in task.prompts if p.metadata["template"] == "directors_same_city")
+    assert set(yes_no) == {"yes", "no"} and abs(yes_no["yes"] - yes_no["no"]) <= 0.2 * sum(yes_no.values())
+    assert len({p.messages[1].content for p in task.prompts}) == len(task.prompts)
 
 
-def test_names_are_unique_and_people_have_two_names(task):
-    titles = [d.title for d in task.documents]
-    assert len(set(titles)) == len(titles) == 200 + 120 + 40 + 12
-    assert len({d.doc_id for d in task.documents}) == len(titles)
-    words = [w.lower() for t in titles for w in t.split()]
-    assert len(set(words)) == len(words)  # no name word is shared by two entities
-    people = [d for d in task.documents if d.doc_id.startswith("person-")]
-    assert all(len(d.title.split()) == 2 for d in people)
+def test_fractions_zero_give_only_two_hop_bridges():
+    task = generate_synthetic_qa(seed=2, num_films=30, num_people=20, three_hop_fraction=0.0, comparison_fraction=0.0)
+    assert {(p.metadata["type"], p.metadata["hops"]) for p in task.prompts} == {("bridge", 2)}
 
 
 @pytest.mark.parametrize("seed", [0, 7])
-def test_every_question_follows_from_its_two_supporting_documents(seed):
+def test_every_question_follows_from_its_supporting_documents(seed):
     task = generate_synthetic_qa(seed=seed)
     facts = read_facts(task.documents)
     assert all(facts.spouse[facts.spouse[person]] == person for person in facts.spouse)
     by_id = {d.doc_id: d for d in task.documents}
     for prompt in task.prompts:
-        question = prompt.messages[1].content.removeprefix("Question: ")
-        entity, bridge, answer = solve(question, prompt.metadata["template"], facts)
-        assert prompt.answers == (answer,)
-        first, second = (by_id[i] for i in prompt.metadata["supporting_doc_ids"])
-        assert first.title == entity and entity in question
-        assert bridge in first.text and second.title == bridge
-        assert answer in second.text
-        assert answer not in first.text  # one document alone does not answer it
+        pages, answer = solve(prompt.metadata["template"], slots(prompt), facts)
+        assert prompt.answers == (answer,), prompt
+        supporting = [by_id[i] for i in prompt.metadata["supporting_doc_ids"]]
+        assert [d.title for d in supporting] == pages
+        if prompt.metadata["type"] == "bridge":
+            assert len(supporting) == prompt.metadata["hops"]
+            for page, following in zip(supporting, supporting[1:]):
+                assert following.title in page.text  # each page names the next one
+            assert answer in supporting[-1].text
+            assert not any(answer in page.text for page in supporting[:-1])  # no shortcut
 
 
-def test_splits_are_disjoint_sized_and_share_no_key_person(task):
+def test_namesakes_share_a_name_word_and_full_names_find_their_own_page_in_top_3(task):
+    titles = [d.title for d in task.documents]
+    assert len(set(titles)) == len(titles) == 200 + 120 + 40 + 12
+    people = [d.title.split() for d in task.documents if d.doc_id.startswith("person-")]
+    films = [d.title.split() for d in task.documents if d.doc_id.startswith("film-")]
+    assert all(len(name) == 2 for name in people)
+    first_names, surnames = Counter(n[0] for n in people), Counter(n[1] for n in people)
+    assert sum(c > 1 for c in first_names.values()) >= 5 and sum(c > 1 for c in surnames.values()) >= 5
+    assert sum(bool(set(film) & set(surnames)) for film in films) >= 20  # film titles holding a surname
+    index = Bm25Index(task.documents)
+    wrong_on_part = 0
+    for doc in task.documents:
+        assert doc in index.search(doc.title, top_k=3), doc.title
+        if doc.doc_id.startswith("person-"):
+            wrong_on_part += index.search(doc.title.split()[1], top_k=1)[0] != doc
+    assert wrong_on_part >= 10  # a surname alone often finds another entity first
+
+
+def test_without_distractors_every_name_word_is_unique():
+    task = generate_synthetic_qa(seed=0, num_films=40, num_people=30, distractor_fraction=0.0)
+    words = [w.lower() for d in task.documents for w in d.title.split()]
+    assert len(set(words)) == len(words)
+
+
+def test_splits_share_no_key_entity_and_are_sized(task):
     facts = read_facts(task.documents)
     by_split: dict[str, list] = {"train": [], "dev": [], "test": []}
     for prompt in task.prompts:
         by_split[prompt.split].append(prompt)
     assert sum(map(len, by_split.values())) == len(task.prompts)
-    keys = {
-        split: {key_person(p.messages[1].content.removeprefix("Question: "), p.metadata["template"], facts) for p in ps}
-        for split, ps in by_split.items()
-    }
-    assert not keys["train"] & keys["test"] and not keys["train"] & keys["dev"] and not keys["dev"] & keys["test"]
-    largest_group = max(Counter(
-        key_person(p.messages[1].content.removeprefix("Question: "), p.metadata["template"], facts) for p in task.prompts
-    ).values())
-    target = round(0.1 * len(task.prompts))
+    people = {split: set().union(*(key_people(p, facts) for p in ps)) for split, ps in by_split.items()}
+    named = {split: {name for p in ps for name in slots(p).values()} for split, ps in by_split.items()}
+    for a, b in (("train", "test"), ("train", "dev"), ("dev", "test")):
+        assert not people[a] & people[b], (a, b)
+        assert not named[a] & named[b], (a, b)  # no held-out question starts from a training entity
     for split in ("dev", "test"):
-        assert target - largest_group < len(by_split[split]) <= target
+        assert {p.metadata["type"] for p in by_split[split]} == {"bridge", "comparison"}
+        assert len(by_split[split]) == pytest.approx(0.1 * len(task.prompts), rel=0.1)
 
 
 def test_no_held_out_splits_when_fractions_are_zero():
@@ -168,7 +214,9 @@ def test_no_held_out_splits_when_fractions_are_zero():
 @pytest.mark.parametrize(
     "change, name",
     [(dict(num_people=1), "num_people"), (dict(test_fraction=1.0), "test_fraction"),
-     (dict(dev_fraction=0.5, test_fraction=0.5), "dev_fraction + test_fraction"), (dict(top_k=0), "top_k")],
+     (dict(dev_fraction=0.5, test_fraction=0.5), "dev_fraction + test_fraction"), (dict(top_k=0), "top_k"),
+     (dict(three_hop_fraction=0.6, comparison_fraction=0.4), "three_hop_fraction + comparison_fraction"),
+     (dict(comparison_fraction=-0.1), "comparison_fraction"), (dict(distractor_fraction=1.5), "distractor_fraction")],
 )
 def test_bad_arguments_name_the_argument(change, name):
     with pytest.raises(ValueError, match=re.escape(name)):

@@ -1,25 +1,25 @@
-"""The built-in synthetic 2-hop QA task: a made-up world of films, people, cities and countries.
+"""The built-in synthetic multi-hop QA task: a made-up world of films, people, cities and countries
+(synthetic_world.py), HotpotQA-style questions about it (synthetic_questions.py), and their splits.
 
 Everything follows from `random.Random(seed)`, so the same arguments give the same prompts and
-documents in the same order on any machine. The world:
+documents in the same order on any machine. The mix of questions:
 
-- each film has a year and a director (a person);
-- each person has a birth city and, for about MARRIED_FRACTION of them, a spouse (symmetric);
-- each city lies in a country.
+- every 2-hop bridge question the world allows (one or two per film and per person);
+- 3-hop bridge questions, sampled so they make up about `three_hop_fraction` of all questions;
+- comparison questions, about `comparison_fraction` of all questions.
 
-One short document per entity states its facts ("Varo Kelmin is a 1987 film directed by Tessa
-Dunmar."). Every question is 2-hop: its first supporting document names the bridge entity, whose
-own document (the second) states the answer. Names are built from a small, regular syllable
-inventory, every name word is unique in the world, and no name word is an English word used in
-the templates, so a tiny tokenizer trained on this text stays small and a search for a name finds
-exactly that entity.
+Each prompt's metadata: template, type ("bridge" / "comparison"), hops (2 / 3), supporting_doc_ids
+(in reading order) and oracle_plan ({"queries": the full names to search, in order; "answer"}),
+which agent_core/data/oracle.py turns into an ideal episode.
 
 Split (a difference from a plain random split, following the measured caveat in ENVIRONMENT.md:
-a random split let the policy score by recalling people seen in training): questions are grouped
-by their key person (the director for film questions, the person asked about otherwise) and whole
-groups go to one split, filled greedily to the requested sizes. A test question's key person is
-therefore never the key person of a training question; split sizes can fall short of the target by
-less than one group. Cities and countries are shared by all splits (the tiny world has few).
+a random split let the policy score by recalling people seen in training): every question has key
+people (the director for film questions, the person asked about otherwise, both directors for a
+comparison). People are assigned to splits in whole groups, filled greedily by their bridge
+questions to the requested sizes; comparisons are then drawn only between films whose directors
+share a split. So no test (or dev) question starts from a film or person that any training question
+starts from or hinges on. Split sizes can miss the target by about one person's questions; cities
+and countries are shared by all splits (the tiny world has few).
 """
 
 from __future__ import annotations
@@ -29,35 +29,26 @@ import json
 import random
 from dataclasses import dataclass
 
+from agent_core.data.synthetic_questions import TEMPLATES, Question, bridge_questions, comparison_questions
+from agent_core.data.synthetic_world import World, WorldSizes, build_world, world_documents
 from agent_core.types import ChatMessage, Document, Prompt
 
 # Bump when the generated text changes, so a new generator never reuses an old dataset folder.
-GENERATOR_VERSION = 2  # 2: the system prompt leaves tool syntax to the env's tool-call format
-MARRIED_FRACTION = 0.6
-FIRST_FILM_YEAR, LAST_FILM_YEAR = 1950, 2020
+# 2: the system prompt leaves tool syntax to the env's tool-call format
+# 3: 3-hop and comparison questions, namesake distractors, oracle plans in the metadata
+GENERATOR_VERSION = 3
 
 # How to call the search tool is the env's tool-call format's to say (tag or hermes), not the data's.
 SYSTEM_PROMPT = "Answer the question. Search as often as you need before answering."
 
-_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z")
-_VOWELS = ("a", "e", "i", "o", "u")
-_CODAS = ("", "n", "r", "l", "s")
-_CITY_SUFFIXES = ("port", "ford", "ton", "dale")
-_COUNTRY_SUFFIXES = ("land", "ia", "mark")
-_ATTEMPTS_PER_LENGTH = 200
-
-# Question templates: name -> text with one slot. The answers of each are built in _questions().
-TEMPLATES = {
-    "director_birthplace": "Where was the director of {film} born?",
-    "director_spouse": "Who is the spouse of the director of {film}?",
-    "person_country": "In which country was {person} born?",
-    "spouse_birthplace": "Where was the spouse of {person} born?",
-}
-_TEMPLATE_WORDS = frozenset(
-    word.strip("?.,").lower()
-    for text in (*TEMPLATES.values(), SYSTEM_PROMPT, "is a film directed by was born in is married to is a city in is a country")
+# Words of the fixed text that names must never be (keeps a search for a name about that name).
+_RESERVED_WORDS = frozenset(
+    word.strip("?.,{}").lower()
+    for text in (*(t.text for t in TEMPLATES.values()), SYSTEM_PROMPT,
+                 "is a film directed by was born in is married to is a city in is a country yes no")
     for word in text.split()
 )
+_HELD_OUT = ("test", "dev")
 
 
 @dataclass(frozen=True)
@@ -70,159 +61,69 @@ class SyntheticQA:
 
 
 @dataclass(frozen=True)
-class _Film:
-    name: str
-    year: int
-    director: int  # index into people
+class _SplitTargets:
+    dev_fraction: float
+    test_fraction: float
+
+    def fraction(self, split: str) -> float:
+        return self.dev_fraction if split == "dev" else self.test_fraction
 
 
-@dataclass(frozen=True)
-class _Person:
-    name: str
-    city: int  # index into cities
-    spouse: int | None  # index into people
-
-
-@dataclass(frozen=True)
-class _City:
-    name: str
-    country: int  # index into countries
-
-
-@dataclass(frozen=True)
-class _World:
-    films: tuple[_Film, ...]
-    people: tuple[_Person, ...]
-    cities: tuple[_City, ...]
-    countries: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Question:
-    template: str
-    text: str
-    answer: str
-    supporting_doc_ids: tuple[str, str]  # (names the bridge entity, states the answer)
-    key_person: int  # the person whose facts the question hinges on; splits never share one
-
-
-class _NameMaker:
-    """Pronounceable made-up words, each unique in the world (case-insensitively)."""
-
-    def __init__(self, rng: random.Random):
-        self._rng = rng
-        self._used: set[str] = set(_TEMPLATE_WORDS)
-
-    def word(self, syllables: int, suffixes: tuple[str, ...] = ("",)) -> str:
-        # Grow the word when short ones run out, so large worlds still terminate.
-        for length in range(syllables, syllables + 4):
-            for _ in range(_ATTEMPTS_PER_LENGTH):
-                candidate = "".join(self._syllable() for _ in range(length)) + self._rng.choice(suffixes)
-                if candidate not in self._used:
-                    self._used.add(candidate)
-                    return candidate.capitalize()
-        raise ValueError(f"could not make {len(self._used)}+ unique names; ask for a smaller world")
-
-    def _syllable(self) -> str:
-        return self._rng.choice(_ONSETS) + self._rng.choice(_VOWELS) + self._rng.choice(_CODAS)
-
-
-def _marry(rng: random.Random, birth_cities: list[int], num_pairs: int) -> dict[int, int]:
-    """Person -> spouse, symmetric. Spouses are born in different cities, so the person's own
-    document never already contains the answer to "Where was the spouse of {person} born?"."""
-    single = list(range(len(birth_cities)))
-    rng.shuffle(single)
-    spouses: dict[int, int] = {}
-    while single and len(spouses) < 2 * num_pairs:
-        a = single.pop()
-        partner = next((b for b in reversed(single) if birth_cities[b] != birth_cities[a]), None)
-        if partner is not None:
-            single.remove(partner)
-            spouses[a], spouses[partner] = partner, a
-    return spouses
-
-
-def _build_world(rng: random.Random, num_films: int, num_people: int, num_cities: int, num_countries: int) -> _World:
-    names = _NameMaker(rng)
-    countries = tuple(names.word(1, _COUNTRY_SUFFIXES) for _ in range(num_countries))
-    cities = tuple(_City(names.word(1, _CITY_SUFFIXES), rng.randrange(num_countries)) for _ in range(num_cities))
-    person_names = [f"{names.word(2)} {names.word(2)}" for _ in range(num_people)]
-    birth_cities = [rng.randrange(num_cities) for _ in range(num_people)]
-    spouses = _marry(rng, birth_cities, num_pairs=int(num_people * MARRIED_FRACTION) // 2)
-    people = tuple(
-        _Person(name, birth_cities[i], spouses.get(i)) for i, name in enumerate(person_names)
-    )
-    films = tuple(
-        _Film(f"{names.word(2)} {names.word(2)}", rng.randint(FIRST_FILM_YEAR, LAST_FILM_YEAR), rng.randrange(num_people))
-        for _ in range(num_films)
-    )
-    return _World(films=films, people=people, cities=cities, countries=countries)
-
-
-def _doc_id(kind: str, index: int) -> str:
-    return f"{kind}-{index:04d}"
-
-
-def _documents(world: _World) -> tuple[Document, ...]:
-    docs = [
-        Document(_doc_id("film", i), f.name, f"{f.name} is a {f.year} film directed by {world.people[f.director].name}.")
-        for i, f in enumerate(world.films)
-    ]
-    for i, person in enumerate(world.people):
-        text = f"{person.name} was born in {world.cities[person.city].name}."
-        if person.spouse is not None:
-            text += f" {person.name} is married to {world.people[person.spouse].name}."
-        docs.append(Document(_doc_id("person", i), person.name, text))
-    docs += [
-        Document(_doc_id("city", i), c.name, f"{c.name} is a city in {world.countries[c.country]}.")
-        for i, c in enumerate(world.cities)
-    ]
-    docs += [Document(_doc_id("country", i), name, f"{name} is a country.") for i, name in enumerate(world.countries)]
-    return tuple(docs)
-
-
-def _questions(world: _World) -> list[_Question]:
-    people, cities = world.people, world.cities
-    questions = []
-    for i, film in enumerate(world.films):
-        director = people[film.director]
-        docs = (_doc_id("film", i), _doc_id("person", film.director))
-        text = TEMPLATES["director_birthplace"].format(film=film.name)
-        questions.append(_Question("director_birthplace", text, cities[director.city].name, docs, film.director))
-        if director.spouse is not None:
-            text = TEMPLATES["director_spouse"].format(film=film.name)
-            questions.append(_Question("director_spouse", text, people[director.spouse].name, docs, film.director))
-    for i, person in enumerate(people):
-        docs = (_doc_id("person", i), _doc_id("city", person.city))
-        text = TEMPLATES["person_country"].format(person=person.name)
-        questions.append(_Question("person_country", text, world.countries[cities[person.city].country], docs, i))
-        if person.spouse is not None:
-            spouse = people[person.spouse]
-            docs = (_doc_id("person", i), _doc_id("person", person.spouse))
-            text = TEMPLATES["spouse_birthplace"].format(person=person.name)
-            questions.append(_Question("spouse_birthplace", text, cities[spouse.city].name, docs, i))
-    return questions
-
-
-def _assign_splits(questions: list[_Question], rng: random.Random, dev_fraction: float, test_fraction: float) -> list[str]:
-    """One split per question; all questions of a key person share it (see the module docstring)."""
-    groups: dict[int, list[int]] = {}
-    for index, question in enumerate(questions):
-        groups.setdefault(question.key_person, []).append(index)
-    keys = list(groups)
-    rng.shuffle(keys)
-    targets = {"test": round(len(questions) * test_fraction), "dev": round(len(questions) * dev_fraction)}
-    filled = {"test": 0, "dev": 0}
-    splits = ["train"] * len(questions)
-    for key in keys:
-        members = groups[key]
-        for split in ("test", "dev"):
-            if filled[split] + len(members) <= targets[split]:
-                filled[split] += len(members)
-                for index in members:
-                    splits[index] = split
+def _assign_people(questions: list[Question], rng: random.Random, targets: _SplitTargets) -> dict[int, str]:
+    """Key person -> split, whole groups of questions at a time (see the module docstring)."""
+    groups: dict[int, int] = {}
+    for question in questions:
+        (person,) = question.key_people
+        groups[person] = groups.get(person, 0) + 1
+    people = list(groups)
+    rng.shuffle(people)
+    wanted = {split: round(len(questions) * targets.fraction(split)) for split in _HELD_OUT}
+    filled = dict.fromkeys(_HELD_OUT, 0)
+    split_of = {}
+    for person in people:
+        split_of[person] = "train"
+        for split in _HELD_OUT:
+            if filled[split] + groups[person] <= wanted[split]:
+                filled[split] += groups[person]
+                split_of[person] = split
                 break
-    return splits
+    return split_of
+
+
+def _questions_by_split(world: World, arguments: dict, rng: random.Random) -> list[tuple[Question, str]]:
+    two_hop, three_hop_pool = bridge_questions(world)
+    target_total = len(two_hop) / (1 - arguments["three_hop_fraction"] - arguments["comparison_fraction"])
+    three_hop = rng.sample(three_hop_pool, min(len(three_hop_pool), round(target_total * arguments["three_hop_fraction"])))
+    bridges = two_hop + three_hop
+    split_of = _assign_people(bridges, rng, _SplitTargets(arguments["dev_fraction"], arguments["test_fraction"]))
+    labelled = [(q, split_of[next(iter(q.key_people))]) for q in bridges]
+    comparisons = round(target_total * arguments["comparison_fraction"])
+    for split in ("train", *_HELD_OUT):
+        share = sum(s == split for _, s in labelled) / len(bridges)
+        films = [i for i, film in enumerate(world.films) if split_of[film.director] == split]
+        labelled += [(q, split) for q in comparison_questions(world, rng, films, round(comparisons * share))]
+    rng.shuffle(labelled)
+    return labelled
+
+
+def _prompt(number: int, seed: int, question: Question, split: str, top_k: int) -> Prompt:
+    template = TEMPLATES[question.template]
+    return Prompt(
+        prompt_id=f"synth-{seed}-{number}",
+        data_source="synthetic",
+        split=split,
+        messages=(ChatMessage("system", SYSTEM_PROMPT), ChatMessage("user", f"Question: {question.text}")),
+        answers=(question.answer,),
+        env_name="search_qa",
+        env_kwargs={"top_k": top_k},
+        metadata={
+            "hops": template.hops,
+            "type": template.type,
+            "template": question.template,
+            "supporting_doc_ids": [ref.doc_id for ref in question.supporting],
+            "oracle_plan": {"queries": list(question.queries), "answer": question.answer},
+        },
+    )
 
 
 def _dataset_id(arguments: dict[str, float | int]) -> str:
@@ -239,11 +140,17 @@ def _check_arguments(arguments: dict[str, float | int]) -> None:
     for name, minimum in minimums.items():
         if not isinstance(arguments[name], int) or arguments[name] < minimum:
             raise ValueError(f"generate_synthetic_qa: {name} must be an integer >= {minimum}, got {arguments[name]!r}")
-    for name in ("dev_fraction", "test_fraction"):
+    for name in ("dev_fraction", "test_fraction", "three_hop_fraction", "comparison_fraction"):
         if not 0 <= arguments[name] < 1:
             raise ValueError(f"generate_synthetic_qa: {name} must be in [0, 1), got {arguments[name]!r}")
+    if not 0 <= arguments["distractor_fraction"] <= 1:
+        raise ValueError(f"generate_synthetic_qa: distractor_fraction must be in [0, 1], got {arguments['distractor_fraction']!r}")
     if arguments["dev_fraction"] + arguments["test_fraction"] >= 1:
         raise ValueError("generate_synthetic_qa: dev_fraction + test_fraction must be < 1 (leave some training data)")
+    if arguments["three_hop_fraction"] + arguments["comparison_fraction"] >= 1:
+        raise ValueError(
+            "generate_synthetic_qa: three_hop_fraction + comparison_fraction must be < 1 (the rest are 2-hop bridges)"
+        )
 
 
 def generate_synthetic_qa(
@@ -255,29 +162,28 @@ def generate_synthetic_qa(
     dev_fraction: float = 0.1,
     test_fraction: float = 0.1,
     top_k: int = 3,
+    three_hop_fraction: float = 0.25,
+    comparison_fraction: float = 0.2,
+    distractor_fraction: float = 0.3,
 ) -> SyntheticQA:
-    """Generate the task. Same arguments -> identical output (prompts, documents, order, ids)."""
+    """Generate the task. Same arguments -> identical output (prompts, documents, order, ids).
+
+    three_hop_fraction / comparison_fraction: about this share of all questions are 3-hop bridges /
+        comparisons (3-hop ones are capped by how many the world allows); the rest are 2-hop bridges.
+    distractor_fraction: the share of people and films named after another person (see
+        synthetic_world.py), whose pages compete in searches on part of a name.
+    """
     arguments = dict(
         seed=seed, num_films=num_films, num_people=num_people, num_cities=num_cities,
         num_countries=num_countries, dev_fraction=dev_fraction, test_fraction=test_fraction, top_k=top_k,
+        three_hop_fraction=three_hop_fraction, comparison_fraction=comparison_fraction,
+        distractor_fraction=distractor_fraction,
     )
     _check_arguments(arguments)
     rng = random.Random(seed)
-    world = _build_world(rng, num_films, num_people, num_cities, num_countries)
-    questions = _questions(world)
-    rng.shuffle(questions)
-    splits = _assign_splits(questions, rng, dev_fraction, test_fraction)
-    prompts = tuple(
-        Prompt(
-            prompt_id=f"synth-{seed}-{n}",
-            data_source="synthetic",
-            split=split,
-            messages=(ChatMessage("system", SYSTEM_PROMPT), ChatMessage("user", f"Question: {question.text}")),
-            answers=(question.answer,),
-            env_name="search_qa",
-            env_kwargs={"top_k": top_k},
-            metadata={"hops": 2, "template": question.template, "supporting_doc_ids": list(question.supporting_doc_ids)},
-        )
-        for n, (question, split) in enumerate(zip(questions, splits))
-    )
-    return SyntheticQA(prompts=prompts, documents=_documents(world), dataset_id=_dataset_id(arguments))
+    sizes = WorldSizes(num_films, num_people, num_cities, num_countries)
+    world = build_world(rng, sizes, distractor_fraction, _RESERVED_WORDS)
+    labelled = _questions_by_split(world, arguments, rng)
+    prompts = tuple(_prompt(n, seed, question, split, top_k) for n, (question, split) in enumerate(labelled))
+    documents = tuple(Document(ref.doc_id, ref.title, text) for ref, text in world_documents(world))
+    return SyntheticQA(prompts=prompts, documents=documents, dataset_id=_dataset_id(arguments))

@@ -1,0 +1,143 @@
+"""A scripted oracle agent for the built-in synthetic task: ideal episodes for a supervised warm start.
+
+`oracle_actions(prompt, tool_format)` is the action texts of an ideal episode: one search per
+name of the prompt's `metadata["oracle_plan"]["queries"]`, one per turn, then the answer, written by
+the env's tool-call format ("tag" or "hermes"). The plan is computed from the generator's world, so
+the oracle needs no reading of search results: it shows the policy which searches lead to the
+answer, not how to read passages (the searches only succeed because each full name finds its own
+page in the top 3, which tests/test_synthetic.py checks).
+
+`OracleEngine` plays those actions through the real agent loop (any Engine is accepted there), so
+its episodes are recorded as a true steps table, token for token in the policy's tokenizer. Design:
+
+- Which episode: the engine decodes the context and finds the prompt's question (its last user
+  message, which the envs pass through unchanged). It is given only the prompts, so it needs no
+  knowledge of how an env renders its system prompt or the chat template its opening.
+- Which step: the engine looks for its own earlier actions in the context, as token ids (the loop
+  puts the returned ids into the context unchanged), and plays the one after the latest found. This
+  holds for any number of episodes per prompt, in any batch, and for windowed contexts that keep at
+  least the last turn; no per-episode state is kept.
+- Each action ends with the end-of-turn id (<|im_end|> where the vocabulary has it, else eos),
+  log-probs are 0.0 (the oracle is deterministic) and finish_reason "stop"; an action longer than
+  max_new_tokens is cut and reported as "length", like a real engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Sequence
+
+from agent_core.envs.builtin_tools import SearchTool
+from agent_core.envs.formats import ParsedCall, ToolCallFormat, build_format
+from agent_core.rollout.chat import eos_token_ids
+from agent_core.rollout.engine import Generation, SamplingParams
+from agent_core.types import Prompt
+
+# The search tool's declaration as the formats need it (the real tool needs a corpus to exist).
+_SEARCH_SPEC = {
+    "type": "function",
+    "function": {
+        "name": SearchTool.name,
+        "description": SearchTool.description,
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _format(tool_format: str) -> ToolCallFormat:
+    return build_format(tool_format, [_SEARCH_SPEC])
+
+
+def oracle_plan(prompt: Prompt) -> tuple[tuple[str, ...], str]:
+    """(the queries, the answer) of the prompt's oracle plan; ValueError if it has none."""
+    plan = prompt.metadata.get("oracle_plan")
+    if not isinstance(plan, dict) or not isinstance(plan.get("queries"), list) or not isinstance(plan.get("answer"), str):
+        raise ValueError(
+            f"prompt {prompt.prompt_id!r} has no metadata['oracle_plan'] with 'queries' (list) and 'answer' (str); "
+            "only the built-in synthetic task's prompts have one"
+        )
+    return tuple(plan["queries"]), plan["answer"]
+
+
+def oracle_actions(prompt: Prompt, tool_format: str = "tag") -> list[str]:
+    """The action texts of an ideal episode: one search per planned query, then the answer."""
+    queries, answer = oracle_plan(prompt)
+    writer = _format(tool_format)
+    searches = [writer.format_calls([ParsedCall(SearchTool.name, {"query": query})]) for query in queries]
+    return [*searches, writer.format_answer(answer)]
+
+
+def question_of(prompt: Prompt) -> str:
+    """The text by which the engine recognises the prompt's episodes: its last user message."""
+    users = [m.content for m in prompt.messages if m.role == "user"]
+    if not users or not users[-1]:
+        raise ValueError(f"prompt {prompt.prompt_id!r} has no user message to recognise its episodes by")
+    return users[-1]
+
+
+class OracleEngine:
+    """An Engine that plays `oracle_actions` for every episode of `prompts` (see the module docstring)."""
+
+    def __init__(self, tokenizer, prompts: Sequence[Prompt], tool_format: str = "tag"):
+        self.tokenizer = tokenizer
+        self.tool_format = tool_format
+        end_of_turn = eos_token_ids(tokenizer)[-1]  # <|im_end|> when distinct from eos: what ends a ChatML turn
+        self._actions: dict[str, tuple[tuple[int, ...], ...]] = {}
+        for prompt in prompts:
+            actions = tuple(
+                tuple(tokenizer.encode(text, add_special_tokens=False)) + (end_of_turn,)
+                for text in oracle_actions(prompt, tool_format)
+            )
+            question = question_of(prompt)
+            if self._actions.setdefault(question, actions) != actions:
+                raise ValueError(f"two prompts ask {question!r} with different oracle plans (one is {prompt.prompt_id!r})")
+        if not self._actions:
+            raise ValueError("OracleEngine needs at least one prompt")
+        # longest first, so a question that is a prefix of another never shadows it
+        alternatives = sorted(self._actions, key=len, reverse=True)
+        self._question_pattern = re.compile("|".join(map(re.escape, alternatives)))
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        return [self._next_action(list(context), params) for context in prompts]
+
+    def _next_action(self, context: list[int], params: SamplingParams) -> Generation:
+        actions = self._actions_for(context)
+        done = _latest_action_in(context, actions)
+        ids = list(actions[min(done + 1, len(actions) - 1)])
+        reason = "stop"
+        if len(ids) > params.max_new_tokens:
+            ids, reason = ids[: params.max_new_tokens], "length"
+        return Generation(ids, [0.0] * len(ids), reason)
+
+    def _actions_for(self, context: list[int]) -> tuple[tuple[int, ...], ...]:
+        text = self.tokenizer.decode(context, skip_special_tokens=False)
+        found = self._question_pattern.search(text)
+        if found is None:
+            raise ValueError(
+                f"OracleEngine: the context holds none of the {len(self._actions)} questions it was given "
+                f"(context starts {text[:200]!r})"
+            )
+        return self._actions[found.group()]
+
+
+def _latest_action_in(context: list[int], actions: Sequence[tuple[int, ...]]) -> int:
+    """Index of the latest of `actions` found in `context` (as a contiguous run of ids), or -1."""
+    for index in range(len(actions) - 1, -1, -1):
+        if _contains(context, actions[index]):
+            return index
+    return -1
+
+
+def _contains(haystack: list[int], needle: tuple[int, ...]) -> bool:
+    first, size = needle[0], len(needle)
+    start = 0
+    while True:
+        try:
+            start = haystack.index(first, start)
+        except ValueError:
+            return False
+        if tuple(haystack[start : start + size]) == needle:
+            return True
+        start += 1
