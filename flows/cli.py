@@ -5,6 +5,7 @@
     agentr1 query "SELECT ..."         SQL over every table of every run (DuckDB)
     agentr1 rerun --run-id R --iteration K --stage S [--set key=value ...]
     agentr1 runs                       list runs and their iterations
+    agentr1 eval --run-id R [--methods naive_rag,base_tool_call,agent] [--seeds 3] [--greedy] [--limit N]
 """
 
 from __future__ import annotations
@@ -49,7 +50,24 @@ def _parser() -> argparse.ArgumentParser:
     rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     add("runs", "list runs and their iterations")
+    _add_eval(add("eval", "evaluate methods of a run over a dataset split: EM and F1, mean ± std over seeds"))
     return parser
+
+
+def _add_eval(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--run-id", required=True, help="the run whose dataset, policies and budgets are evaluated")
+    cmd.add_argument("--checkpoint", default=None, help="policy of the 'agent' method (default: the run's last checkpoint)")
+    cmd.add_argument("--methods", default="naive_rag,base_tool_call,agent", help="comma-separated eval methods")
+    cmd.add_argument("--split", default="test", help="dataset split (default: test)")
+    cmd.add_argument("--seeds", type=int, default=3, help="number of seeds, 0..N-1 (default 3)")
+    mode = cmd.add_mutually_exclusive_group()
+    # Sampling is the default: with greedy decoding every seed gives the same answers (std 0).
+    mode.add_argument("--sample", dest="greedy", action="store_false", help="sample with each seed (default)")
+    mode.add_argument("--greedy", dest="greedy", action="store_true", help="greedy decoding (temperature 0)")
+    cmd.set_defaults(greedy=False)
+    cmd.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
+    cmd.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts of the split")
+    cmd.add_argument("--eval-id", default=None, help="default: a fresh id")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -120,7 +138,38 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": _train, "train": _train, "query": _query, "rerun": _rerun, "runs": _runs}
+def _eval(args: argparse.Namespace) -> int:
+    from agent_core.io.configs import load_config
+    from agent_core.io.layout import DataRoot
+
+    data_root = args.data_root or DEFAULT_DATA_ROOT
+    if args.seeds < 1 or (args.limit is not None and args.limit < 1):
+        raise ValueError(f"--seeds and --limit must be >= 1, got --seeds {args.seeds} --limit {args.limit}")
+    run = DataRoot(Path(data_root)).run(args.run_id)
+    if not run.config_path.is_file():
+        raise FileNotFoundError(f"run {args.run_id!r} has no config at {run.config_path}: is the run id right?")
+    config = load_config(run.config_path, [f"data_root={data_root}"])
+    configure_environment(data_root)
+    from flows.eval import evaluate_methods, run_checkpoints, run_eval_settings
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    checkpoints = run_checkpoints(run, methods, args.checkpoint)
+    started = time.perf_counter()
+    result = evaluate_methods(
+        data_root, checkpoints, methods, data=config.data, split=args.split, seeds=list(range(args.seeds)),
+        settings=run_eval_settings(config, args.greedy, args.temperature), limit=args.limit, eval_id=args.eval_id,
+        tracking_uri=config.tracking.tracking_uri,
+    )
+    print(f"\nagentr1: eval {result.eval_id} of run {args.run_id} ({args.split} split) in {time.perf_counter() - started:.0f}s\n")
+    print(result.markdown)
+    print(f"  report:       {result.report_path}")
+    print(f"  eval tables:  {Path(result.report_path).parent}/<method>/seed=<s>/eval.parquet")
+    print(f"  MLflow store: {result.tracking_uri} (experiment agentr1-eval, run {result.mlflow_run_id})")
+    print(f"  query:        agentr1 query --data-root {data_root} \"select method, avg(em) from eval group by 1\"")
+    return 0
+
+
+COMMANDS = {"demo": _train, "train": _train, "query": _query, "rerun": _rerun, "runs": _runs, "eval": _eval}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas import advantages, dataset, prompts, rewards, steps, train_metrics
+from schemas import eval as eval_schema  # plain `eval` would shadow the builtin here
 from schemas._base import ArrowModel, declared_row_checks, describe_rows, row_ids
 
 __all__ = [
@@ -53,6 +54,7 @@ TABLES: dict[str, TableSpec] = {
         TableSpec("advantages", advantages.ARROW_SCHEMA, advantages.AdvantagesModel, advantages.ROW_ID_COLUMNS),
         TableSpec("train_metrics", train_metrics.ARROW_SCHEMA, train_metrics.TrainMetricsModel,
                   train_metrics.ROW_ID_COLUMNS),
+        TableSpec("eval", eval_schema.ARROW_SCHEMA, eval_schema.EvalModel, eval_schema.ROW_ID_COLUMNS),
     )
 }
 

@@ -8,6 +8,7 @@
       runs/<run_id>/iteration=<k>/optimizer.pt       its optimizer state (Adam moments)
       runs/<run_id>/initial_critic/, iteration=<k>/critic/   the critic (gae, step_gae), + critic_optimizer.pt
       datasets/<dataset_id>/{prompts,corpus}.parquet shared by every run that uses the dataset
+      evals/<eval_id>/<method>/seed=<s>/eval.parquet one evaluation's episodes; evals/<eval_id>/report.md
       prefect/                                       PREFECT_HOME
       mlflow.db, mlartifacts/                        MLflow tracking store and artifacts
 
@@ -77,6 +78,23 @@ class DataRoot:
         name = "prompts" if table == "dataset_prompts" else table
         return str(self.dataset_dir(dataset_id) / f"{name}.parquet")
 
+    @property
+    def evals_dir(self) -> Path:
+        return self.path / "evals"
+
+    def eval_dir(self, eval_id: str) -> Path:
+        """One evaluation (methods x seeds over one dataset split): its tables and report."""
+        return self.evals_dir / check_id("eval id", eval_id)
+
+    def eval_table_uri(self, eval_id: str, method: str, seed: int) -> str:
+        """`evals/<eval_id>/<method>/seed=<s>/eval.parquet`: one method x seed per file."""
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        return str(self.eval_dir(eval_id) / check_id("eval method", method) / f"seed={seed}" / "eval.parquet")
+
+    def eval_report_path(self, eval_id: str) -> Path:
+        return self.eval_dir(eval_id) / "report.md"
+
     def run_ids(self) -> list[str]:
         if not self.runs_dir.is_dir():
             return []
@@ -112,6 +130,14 @@ class RunLayout:
 
     def checkpoint_dir(self, iteration: int) -> Path:
         return self.iteration_dir(iteration) / "checkpoint"
+
+    def last_checkpoint_dir(self) -> Path | None:
+        """The checkpoint of the highest iteration that has one (None before the first is saved)."""
+        iterations = sorted(
+            int(p.name.removeprefix("iteration=")) for p in self.run_dir.glob("iteration=*")
+            if p.name.removeprefix("iteration=").isdigit() and (p / "checkpoint").is_dir()
+        )
+        return self.checkpoint_dir(iterations[-1]) if iterations else None
 
     def optimizer_state_path(self, iteration: int) -> Path:
         return self.iteration_dir(iteration) / "optimizer.pt"

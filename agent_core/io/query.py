@@ -4,7 +4,8 @@
 - run tables (`prompts`, `steps`, `rewards`, `advantages`, `train_metrics`, and any other table
   found under `runs/*/iteration=*/`) over `<root>/runs/<run_id>/iteration=<k>/<table>.parquet`,
   all runs and iterations at once;
-- dataset tables `dataset_prompts` and `corpus` over `<root>/datasets/<id>/{prompts,corpus}.parquet`.
+- dataset tables `dataset_prompts` and `corpus` over `<root>/datasets/<id>/{prompts,corpus}.parquet`;
+- the `eval` table over `<root>/evals/<eval_id>/<method>/seed=<s>/eval.parquet`, every evaluation.
 
 Where this differs from the obvious `read_parquet('runs/*/iteration=*/steps.parquet',
 hive_partitioning=true)`:
@@ -78,6 +79,13 @@ def dataset_table_files(data_root: Path) -> dict[str, list[Path]]:
     }
 
 
+def eval_table_files(data_root: Path) -> dict[str, list[Path]]:
+    """Parquet files of the `eval` table, every evaluation (sorted; hidden temp files left out)."""
+    data_root = Path(data_root)
+    paths = sorted(data_root.glob("evals/*/*/seed=*/eval.parquet"))
+    return {"eval": [path for path in paths if path.is_file() and _visible(path, data_root)]}
+
+
 def _sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
@@ -108,7 +116,7 @@ def open_catalog(data_root: Path) -> duckdb.DuckDBPyConnection:
     The file lists are taken now: open a new catalog to see tables written later.
     """
     con = duckdb.connect(":memory:")
-    tables = {**run_table_files(data_root), **dataset_table_files(data_root)}
+    tables = {**run_table_files(data_root), **dataset_table_files(data_root), **eval_table_files(data_root)}
     for name, files in tables.items():
         _create_view(con, name, files)
     return con

@@ -1,0 +1,95 @@
+"""Evaluation stages: one method x seed over a dataset split -> an `eval` table; then the report
+(markdown file, MLflow metrics in experiment "agentr1-eval", a Prefect markdown artifact)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pyarrow as pa
+from prefect.artifacts import create_markdown_artifact
+
+from agent_core.data.rows import row_to_document, row_to_prompt
+from agent_core.eval.methods import EVAL_METHODS, EvalSettings
+from agent_core.eval.report import EvalReport, eval_report
+from agent_core.io.layout import DataRoot
+from agent_core.io.tables import read_table, rows_of, table_exists, write_table
+from agent_core.io.tracking import Tracker
+from tasks._common import stage_logger, stage_task
+from tasks.prepare_data import DatasetUris
+
+EVAL_EXPERIMENT = "agentr1-eval"
+
+
+def split_prompts(dataset: DatasetUris, split: str, limit: int | None) -> list:
+    """The split's prompts in dataset order, the first `limit` of them if given."""
+    rows = read_table("dataset_prompts", dataset.prompts_uri).to_pylist()
+    chosen = [row for row in rows if row["split"] == split]
+    if not chosen:
+        splits = sorted({row["split"] for row in rows})
+        raise ValueError(f"{dataset.prompts_uri}: no prompts with split {split!r}; splits there: {', '.join(splits)}")
+    return [row_to_prompt(row) for row in chosen[:limit]]
+
+
+@stage_task(name="evaluate")
+def evaluate(data_root: str, eval_id: str, method: str, checkpoint: str, dataset: DatasetUris, split: str,
+             settings: EvalSettings, limit: int | None = None) -> str:
+    """Run `method` with the policy at `checkpoint` on the split; write and return its eval table.
+    An existing table for this eval id, method and seed is kept (a resumed flow skips it)."""
+    log = stage_logger("evaluate")
+    uri = DataRoot(Path(data_root)).eval_table_uri(eval_id, method, settings.seed)
+    if table_exists(uri):
+        log.info("%s seed %d: already evaluated (%s)", method, settings.seed, uri)
+        return uri
+    run_method = EVAL_METHODS.get(method)
+    prompts = split_prompts(dataset, split, limit)
+    documents = [row_to_document(row) for row in read_table("corpus", dataset.corpus_uri).to_pylist()]
+    episodes = run_method(Path(checkpoint), prompts, documents, settings)
+    rows = rows_of(episodes, eval_id=eval_id, method=method, checkpoint=str(checkpoint), split=split, seed=settings.seed)
+    write_table("eval", rows, uri)
+    em = sum(e.em for e in episodes) / max(len(episodes), 1)
+    log.info("%s seed %d: %d prompts, EM %.3f -> %s", method, settings.seed, len(episodes), em, uri)
+    return uri
+
+
+@stage_task(name="write_eval_report")
+def write_eval_report(data_root: str, eval_id: str, table_uris: list[str]) -> EvalReport:
+    """The report over the given eval tables, written as markdown to evals/<eval_id>/report.md."""
+    table = pa.concat_tables([read_table("eval", uri) for uri in table_uris])
+    report = eval_report(table)
+    path = DataRoot(Path(data_root)).eval_report_path(eval_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report.markdown())
+    stage_logger("write_eval_report").info("eval %s: report at %s", eval_id, path)
+    return report
+
+
+@stage_task(name="log_eval")
+def log_eval(data_root: str, eval_id: str, report: EvalReport, params: dict, tracking_uri: str | None = None) -> str:
+    """One MLflow run per evaluation (tagged with the eval id): params, metrics, report.md."""
+    root = DataRoot(Path(data_root))
+    tracker = Tracker(tracking_uri or root.mlflow_tracking_uri, root.mlflow_artifacts.resolve().as_uri(), EVAL_EXPERIMENT)
+    mlflow_run_id = tracker.start_run(eval_id, params, tags={"data_root": str(root.path.resolve())})
+    tracker.log_metrics(mlflow_run_id, report.metrics(), step=0)
+    tracker.log_text(mlflow_run_id, report.markdown(), "report.md")
+    tracker.end_run(mlflow_run_id)
+    return mlflow_run_id
+
+
+def artifact_key(eval_id: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return "eval-" + re.sub(r"[^a-z0-9-]+", "-", eval_id.lower()).strip("-")
+
+
+@stage_task(name="publish_eval_report")
+def publish_eval_report(eval_id: str, report: EvalReport) -> str:
+    """The report as a Prefect markdown artifact (shown in the UI under the flow run); its key."""
+    key = artifact_key(eval_id)
+    create_markdown_artifact(markdown=report.markdown(), key=key, description=f"agentr1 eval {eval_id}")
+    return key
+
+
+def settings_params(settings: EvalSettings) -> dict:
+    """The settings as flat MLflow params (the seed varies per table and is logged separately)."""
+    return {f"settings.{k}": v for k, v in dataclasses.asdict(settings).items() if k != "seed"}
