@@ -25,9 +25,16 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    """The built-in synthetic multi-hop QA task (generated deterministically from `seed`)."""
+    """The prompts and the corpus: the built-in synthetic multi-hop QA task (generated
+    deterministically from `seed`), or a real dataset read from its native files.
 
-    source: Literal["synthetic"] = "synthetic"
+    synthetic: the num_* sizes and *_fraction mix shape the generated world and questions.
+    hotpotqa / 2wikimultihopqa / musique: `files` maps split names (train, dev, test) to native
+    files (e.g. {train: hotpot_train_v1.1.json, dev: hotpot_dev_distractor_v1.json}); `setting` is
+    HotpotQA / 2Wiki's distractor or fullwiki; `limit` keeps the first N questions of each file.
+    """
+
+    source: Literal["synthetic", "hotpotqa", "2wikimultihopqa", "musique"] = "synthetic"
     seed: int = 0
     num_films: int = Field(200, ge=4)
     num_people: int = Field(120, ge=4)
@@ -35,8 +42,24 @@ class DataConfig(_Section):
     num_countries: int = Field(12, ge=2)
     dev_fraction: float = Field(0.1, ge=0, lt=1)
     test_fraction: float = Field(0.1, ge=0, lt=1)
+    three_hop_fraction: float = Field(0.25, ge=0, lt=1, description="synthetic: share of 3-hop bridge questions")
+    comparison_fraction: float = Field(0.2, ge=0, lt=1, description="synthetic: share of comparison questions")
+    distractor_fraction: float = Field(0.3, ge=0, le=1, description="synthetic: share of namesake entities")
+    files: dict[Literal["train", "dev", "test"], str] = Field(
+        default_factory=dict, description="real datasets: split name -> native file"
+    )
+    setting: Literal["distractor", "fullwiki"] = "distractor"
+    limit: int | None = Field(None, ge=1, description="real datasets: first N questions of each file")
     top_k: int = Field(3, ge=1, description="passages returned by one search call")
     prompts_per_iteration: int = Field(16, ge=1, description="training prompts sampled per iteration")
+
+    @model_validator(mode="after")
+    def _real_datasets_have_files(self) -> "DataConfig":
+        if self.source != "synthetic" and not self.files:
+            raise ValueError(f"data.source={self.source} needs data.files, e.g. {{train: /path/file, dev: /path/file}}")
+        if self.source == "synthetic" and self.files:
+            raise ValueError("data.files is for real datasets; set data.source to hotpotqa, 2wikimultihopqa or musique")
+        return self
 
 
 class PolicyConfig(_Section):

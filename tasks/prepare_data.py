@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent_core.config import DataConfig
+from agent_core.data.loaders import load_qa_splits
 from agent_core.data.rows import document_to_row, prompt_to_row
-from agent_core.data.synthetic import generate_synthetic_qa
+from agent_core.data.synthetic import SyntheticQA, generate_synthetic_qa
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.tables import read_table, table_exists, write_table
 from tasks._common import stage_logger, stage_task
@@ -21,15 +22,26 @@ class DatasetUris:
     corpus_uri: str
 
 
-@stage_task(name="prepare_dataset")
-def prepare_dataset(data_root: str, data: DataConfig) -> DatasetUris:
-    """Generate the synthetic QA dataset and its corpus, unless this exact dataset exists already."""
-    log = stage_logger("prepare_dataset")
-    dataset = generate_synthetic_qa(
+def load_dataset(data: DataConfig) -> SyntheticQA:
+    """The configured dataset: generated (synthetic) or read from its native files."""
+    if data.source != "synthetic":
+        settings = {"top_k": data.top_k, "limit": data.limit}
+        if data.source != "musique":
+            settings["setting"] = data.setting
+        return load_qa_splits(data.source, dict(data.files), **settings)
+    return generate_synthetic_qa(
         seed=data.seed, num_films=data.num_films, num_people=data.num_people, num_cities=data.num_cities,
         num_countries=data.num_countries, dev_fraction=data.dev_fraction, test_fraction=data.test_fraction,
-        top_k=data.top_k,
+        top_k=data.top_k, three_hop_fraction=data.three_hop_fraction,
+        comparison_fraction=data.comparison_fraction, distractor_fraction=data.distractor_fraction,
     )
+
+
+@stage_task(name="prepare_dataset")
+def prepare_dataset(data_root: str, data: DataConfig) -> DatasetUris:
+    """Generate or load the dataset and its corpus, unless this exact dataset exists already."""
+    log = stage_logger("prepare_dataset")
+    dataset = load_dataset(data)
     root = DataRoot(Path(data_root))
     uris = DatasetUris(
         dataset.dataset_id,
