@@ -229,6 +229,16 @@ class WarmStartConfig(_Section):
         return self
 
 
+class DevEvalConfig(_Section):
+    """Held-out evaluation while training: the policy answers the first `prompts` prompts of `split`
+    (greedy, one episode each, with the rollout's budgets and tool format) before RL and after every
+    `every`-th iteration; the EM goes into the iteration summary and MLflow (metric dev_em)."""
+
+    every: int = Field(1, ge=0, description="evaluate after every N-th iteration (and the last); 0 = never")
+    split: Literal["train", "dev", "test"] = "dev"
+    prompts: int = Field(64, ge=1, description="prompts of the split evaluated (the first N)")
+
+
 class TrackingConfig(_Section):
     tracking_uri: str | None = Field(None, description="default: sqlite database in the data root")
     experiment: str = "agentr1"
@@ -250,6 +260,7 @@ class PipelineConfig(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
+    dev_eval: DevEvalConfig = DevEvalConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="before")

@@ -6,11 +6,14 @@
     agentr1 rerun --run-id R --iteration K --stage S [--set key=value ...]
     agentr1 runs                       list runs and their iterations
     agentr1 eval --run-id R [--methods naive_rag,base_tool_call,agent] [--seeds 3] [--greedy] [--limit N]
+    agentr1 experiment [--experiment configs/experiment.yaml] [--set key=value ...]
+                                       the paper's Tables 3-4 at CPU scale -> docs/results.md + plots
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -51,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
 
     add("runs", "list runs and their iterations")
     _add_eval(add("eval", "evaluate methods of a run over a dataset split: EM and F1, mean ± std over seeds"))
+    experiment = add("experiment", "baselines, every algorithm and the mask ablations, evaluated -> results page")
+    experiment.add_argument("--experiment", default="configs/experiment.yaml", metavar="FILE",
+                            help="experiment definition (default: configs/experiment.yaml)")
+    experiment.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                            help="pipeline override for every run, e.g. --set iterations=2 (repeatable)")
     return parser
 
 
@@ -98,9 +106,16 @@ def _print_result(result, data_root: str, seconds: float) -> None:
     print(f"  MLflow store:    {result.tracking_uri} (run {result.mlflow_run_id})")
     print(f"  registered model: {result.model_name} version {result.model_version} ({result.final_checkpoint})")
     print(f"  query:           agentr1 query --data-root {data_root} \"select iteration, count(*), avg(reward) from rewards group by 1 order by 1\"")
-    print("\n  iteration  mean reward     EM  steps/episode    loss")
+    print("\n  iteration  mean reward  train EM  dev EM  steps/episode    loss")
+    print(f"  {'start':>9}  {'':>11}  {'':>8}  {_score(result.start_dev_em):>6}")
     for s in result.iterations:
-        print(f"  {s.iteration:>9}  {s.mean_reward:>11.3f}  {s.em:>5.3f}  {s.steps_per_episode:>13.2f}  {s.loss:>6.3f}")
+        print(f"  {s.iteration:>9}  {s.mean_reward:>11.3f}  {s.em:>8.3f}  {_score(s.dev_em):>6}  "
+              f"{s.steps_per_episode:>13.2f}  {s.loss:>6.3f}")
+    print("  (train EM: the iteration's sampled rollouts; dev EM: greedy, held-out dev prompts after the iteration)")
+
+
+def _score(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.3f}"
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -150,7 +165,8 @@ def _eval(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"run {args.run_id!r} has no config at {run.config_path}: is the run id right?")
     config = load_config(run.config_path, [f"data_root={data_root}"])
     configure_environment(data_root)
-    from flows.eval import evaluate_methods, run_checkpoints, run_eval_settings
+    from flows.eval import evaluate_methods, run_checkpoints
+    from tasks.evaluate import run_eval_settings
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     checkpoints = run_checkpoints(run, methods, args.checkpoint)
@@ -169,7 +185,25 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": _train, "train": _train, "query": _query, "rerun": _rerun, "runs": _runs, "eval": _eval}
+def _experiment(args: argparse.Namespace) -> int:
+    from agent_core.eval.experiment import load_experiment
+
+    exp, config_dir = load_experiment(args.experiment)
+    data_root = args.data_root or DEFAULT_DATA_ROOT
+    configure_environment(data_root)
+    from flows.experiment import experiment
+
+    command = "agentr1 " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["experiment"] else f"agentr1 experiment --experiment {args.experiment}"
+    result = experiment(exp, str(config_dir), data_root, command, args.overrides)
+    print(f"\nagentr1: experiment {result.experiment_id} finished in {result.wall_seconds / 60:.1f} min\n")
+    print(result.eval_markdown)
+    print(f"  results page: {result.report_path}")
+    print(f"  query:        agentr1 query --data-root {data_root} \"select method, avg(em) from eval group by 1\"")
+    return 0
+
+
+COMMANDS = {"demo": _train, "train": _train, "query": _query, "rerun": _rerun, "runs": _runs, "eval": _eval,
+            "experiment": _experiment}
 
 
 def main(argv: list[str] | None = None) -> int:

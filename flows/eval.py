@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from agent_core.config import DataConfig, PipelineConfig
+from agent_core.config import DataConfig
 from agent_core.eval.methods import EVAL_METHODS, EvalSettings
 from agent_core.io.layout import DataRoot, RunLayout, check_id, new_run_id
 from tasks.evaluate import evaluate, log_eval, publish_eval_report, settings_params, write_eval_report
@@ -53,25 +53,14 @@ def run_checkpoints(run: RunLayout, methods: Sequence[str], checkpoint: str | No
     return chosen
 
 
-def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float | None = None) -> EvalSettings:
-    """Generation budgets, retrieval depth, tool format and engine as the run trained with them."""
-    rollout = config.rollout
-    return EvalSettings(
-        greedy=greedy, temperature=rollout.temperature if temperature is None else temperature,
-        max_new_tokens=rollout.max_new_tokens, max_steps=rollout.max_steps,
-        max_context_tokens=rollout.max_context_tokens, top_k=config.data.top_k,
-        tool_format=rollout.env_kwargs.get("tool_format", "tag"), engine=rollout.engine,
-        max_batch_size=rollout.max_batch_size,
-    )
-
-
 def _check_inputs(methods: Sequence[str], checkpoints: Mapping[str, str], seeds: Sequence[int],
-                  data: DataConfig | None, dataset: DatasetUris | None) -> None:
+                  data: DataConfig | None, dataset: DatasetUris | None, method_of: Mapping[str, str]) -> None:
     """Fail before any model runs: unknown methods, missing checkpoints, no seeds, no dataset."""
     if not methods:
         raise ValueError(f"no eval methods given; valid methods: {', '.join(EVAL_METHODS.names())}")
     for method in methods:
-        EVAL_METHODS.check(method)
+        EVAL_METHODS.check(method_of.get(method, method))
+        check_id("eval method label", method)
         if method not in checkpoints:
             raise ValueError(f"eval method {method!r} has no checkpoint; checkpoints given for: {', '.join(checkpoints) or '(none)'}")
         if not Path(checkpoints[method]).is_dir():
@@ -95,17 +84,24 @@ def evaluate_methods(
     limit: int | None = None,
     eval_id: str | None = None,
     tracking_uri: str | None = None,
+    method_of: dict[str, str] | None = None,
 ) -> EvalResult:
-    """Evaluate `methods` (default: every method in `checkpoints`) with `seeds` (default 0, 1, 2)."""
+    """Evaluate `methods` (default: every method in `checkpoints`) with `seeds` (default 0, 1, 2).
+
+    A method is a name in EVAL_METHODS, or a label that `method_of` maps to one (e.g. several
+    trained checkpoints as {"grpo": "agent", "ppo": "agent"}); the eval table's `method` column
+    holds the label.
+    """
     methods = list(methods or checkpoints)
     seeds = list(range(3)) if seeds is None else list(seeds)
-    _check_inputs(methods, checkpoints, seeds, data, dataset)
+    method_of = dict(method_of or {})
+    _check_inputs(methods, checkpoints, seeds, data, dataset, method_of)
     eval_id = check_id("eval id", eval_id) if eval_id else new_run_id("eval")
     if dataset is None:
         dataset = prepare_dataset(data_root, data)
     uris = [
         evaluate(data_root, eval_id, method, checkpoints[method], dataset, split,
-                 dataclasses.replace(settings, seed=seed), limit)
+                 dataclasses.replace(settings, seed=seed), limit, method_of.get(method))
         for method in methods
         for seed in seeds
     ]

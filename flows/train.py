@@ -13,16 +13,18 @@ from prefect import flow
 
 from agent_core.algos.estimator_core import estimator_uses_critic
 from agent_core.config import PipelineConfig
-from agent_core.io.layout import DataRoot, new_run_id
-from agent_core.io.summaries import IterationSummary
+from agent_core.io.layout import DataRoot, RunLayout, new_run_id
+from agent_core.io.summaries import IterationSummary, eval_scores
 from tasks.compute_advantages import compute_advantages
+from tasks.evaluate import dev_eval, run_eval_settings
 from tasks.init_policy import init_critic, init_policy
 from tasks.label_rewards import label_rewards
-from tasks.prepare_data import prepare_data, prepare_dataset
+from tasks.prepare_data import DatasetUris, prepare_data, prepare_dataset
 from tasks.rollout import rollout
 from tasks.run_config import record_config
 from tasks.track import finish_tracking, log_iteration, start_tracking
 from tasks.train import train_policy
+from tasks.warm_start import oracle_episodes, warm_start
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,32 @@ class TrainResult:
     model_version: int
     final_checkpoint: str
     iterations: list[IterationSummary] = field(default_factory=list)
+    start_dev_em: float = float("nan")  # held-out EM of the policy RL started from (nan: not evaluated)
+
+
+def _evaluates_after(iteration: int, config: PipelineConfig) -> bool:
+    every = config.dev_eval.every
+    return every > 0 and ((iteration + 1) % every == 0 or iteration == config.iterations - 1)
+
+
+def _warm_start(run: RunLayout, dataset: DatasetUris, config: PipelineConfig, policy_dir: str) -> str:
+    cfg = config.warm_start
+    if cfg.source == "oracle":
+        steps, rewards = oracle_episodes(run, dataset, cfg, config.rollout, config.reward, policy_dir, config.seed)
+    else:
+        steps = cfg.steps_uri
+        rewards = str(Path(steps).with_name("rewards.parquet"))
+    return warm_start(run, steps, rewards, cfg, config.trainer.micro_batch_tokens, policy_dir, config.seed)
+
+
+def start_policy(run: RunLayout, config: PipelineConfig) -> tuple[DatasetUris, str]:
+    """The dataset and the policy RL starts from: initial policy, then the warm start if enabled."""
+    record_config(run, config)
+    dataset = prepare_dataset(config.data_root, config.data)
+    policy_dir = init_policy(run, dataset, config.policy)
+    if config.warm_start.enabled:
+        policy_dir = _warm_start(run, dataset, config, policy_dir)
+    return dataset, policy_dir
 
 
 @flow(name="agentr1-train", log_prints=True)
@@ -42,11 +70,13 @@ def train(config: PipelineConfig) -> TrainResult:
     if config.run_id is None:  # e.g. a scheduled deployment: every run gets its own id
         config = config.model_copy(update={"run_id": new_run_id()})
     run = DataRoot(Path(config.data_root)).run(config.run_id)
-    record_config(run, config)
-    dataset = prepare_dataset(config.data_root, config.data)
-    policy_dir = init_policy(run, dataset, config.policy)
+    dataset, policy_dir = start_policy(run, config)
     if estimator_uses_critic(config.algorithm.estimator):
         init_critic(run, policy_dir)
+    eval_settings = run_eval_settings(config, greedy=True)
+    start_dev_em = float("nan")
+    if config.dev_eval.every > 0:
+        start_dev_em, _ = eval_scores(dev_eval(run, None, policy_dir, dataset, config.dev_eval, eval_settings))
     tracking = start_tracking(run, config)
     total_steps = config.iterations * config.trainer.epochs * config.trainer.mini_batches
 
@@ -61,12 +91,14 @@ def train(config: PipelineConfig) -> TrainResult:
                                         config.rollout.temperature)
         policy_dir = train_policy(run, k, steps, advantages, policy_dir, config.trainer, config.algorithm,
                                   config.rollout.temperature, total_steps)
+        if _evaluates_after(k, config):
+            dev_eval(run, k, policy_dir, dataset, config.dev_eval, eval_settings)
         reports.append(log_iteration(run, k, tracking, policy_dir, config.tracking.model_name, rollout_seconds))
 
-    finish_tracking(tracking, config.to_yaml())
+    finish_tracking(tracking, config.to_yaml(), {"start_dev_em": start_dev_em})
     return TrainResult(
         run_id=run.run_id, run_dir=str(run.run_dir), tracking_uri=tracking.tracking_uri,
         mlflow_run_id=tracking.mlflow_run_id, model_name=reports[-1].model_name,
         model_version=reports[-1].model_version, final_checkpoint=policy_dir,
-        iterations=[r.summary for r in reports],
+        iterations=[r.summary for r in reports], start_dev_em=start_dev_em,
     )

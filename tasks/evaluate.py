@@ -10,10 +10,11 @@ from pathlib import Path
 import pyarrow as pa
 from prefect.artifacts import create_markdown_artifact
 
+from agent_core.config import DevEvalConfig, PipelineConfig
 from agent_core.data.rows import row_to_document, row_to_prompt
 from agent_core.eval.methods import EVAL_METHODS, EvalSettings
 from agent_core.eval.report import EvalReport, eval_report
-from agent_core.io.layout import DataRoot
+from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.tables import read_table, rows_of, table_exists, write_table
 from agent_core.io.tracking import Tracker
 from tasks._common import stage_logger, stage_task
@@ -34,15 +35,16 @@ def split_prompts(dataset: DatasetUris, split: str, limit: int | None) -> list:
 
 @stage_task(name="evaluate")
 def evaluate(data_root: str, eval_id: str, method: str, checkpoint: str, dataset: DatasetUris, split: str,
-             settings: EvalSettings, limit: int | None = None) -> str:
-    """Run `method` with the policy at `checkpoint` on the split; write and return its eval table.
-    An existing table for this eval id, method and seed is kept (a resumed flow skips it)."""
+             settings: EvalSettings, limit: int | None = None, runs_as: str | None = None) -> str:
+    """Run `method` (or the registered method `runs_as`, `method` being its label) with the policy at
+    `checkpoint` on the split; write and return its eval table. An existing table for this eval id,
+    method and seed is kept (a resumed flow skips it)."""
     log = stage_logger("evaluate")
     uri = DataRoot(Path(data_root)).eval_table_uri(eval_id, method, settings.seed)
     if table_exists(uri):
         log.info("%s seed %d: already evaluated (%s)", method, settings.seed, uri)
         return uri
-    run_method = EVAL_METHODS.get(method)
+    run_method = EVAL_METHODS.get(runs_as or method)
     prompts = split_prompts(dataset, split, limit)
     documents = [row_to_document(row) for row in read_table("corpus", dataset.corpus_uri).to_pylist()]
     episodes = run_method(Path(checkpoint), prompts, documents, settings)
@@ -50,6 +52,38 @@ def evaluate(data_root: str, eval_id: str, method: str, checkpoint: str, dataset
     write_table("eval", rows, uri)
     em = sum(e.em for e in episodes) / max(len(episodes), 1)
     log.info("%s seed %d: %d prompts, EM %.3f -> %s", method, settings.seed, len(episodes), em, uri)
+    return uri
+
+
+def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float | None = None) -> EvalSettings:
+    """Generation budgets, retrieval depth, tool format and engine as the run trains with them."""
+    rollout = config.rollout
+    return EvalSettings(
+        greedy=greedy, temperature=rollout.temperature if temperature is None else temperature,
+        max_new_tokens=rollout.max_new_tokens, max_steps=rollout.max_steps,
+        max_context_tokens=rollout.max_context_tokens, top_k=config.data.top_k,
+        tool_format=rollout.env_kwargs.get("tool_format", "tag"), engine=rollout.engine,
+        max_batch_size=rollout.max_batch_size,
+    )
+
+
+@stage_task(name="dev_eval")
+def dev_eval(run: RunLayout, iteration: int | None, policy_dir: str, dataset: DatasetUris, cfg: DevEvalConfig,
+             settings: EvalSettings) -> str:
+    """Held-out EM of the policy at `policy_dir` during training (DevEvalConfig): the `agent` method on
+    the first `cfg.prompts` prompts of `cfg.split`; writes the eval table `run.dev_eval_uri(iteration)`."""
+    uri = run.dev_eval_uri(iteration)
+    prompts = split_prompts(dataset, cfg.split, cfg.prompts)
+    documents = [row_to_document(row) for row in read_table("corpus", dataset.corpus_uri).to_pylist()]
+    episodes = EVAL_METHODS.get("agent")(Path(policy_dir), prompts, documents, settings)
+    label = "start" if iteration is None else str(iteration)
+    rows = rows_of(episodes, eval_id=f"{run.run_id}-dev-{label}", method="agent", checkpoint=str(policy_dir),
+                   split=cfg.split, seed=settings.seed)
+    write_table("eval", rows, uri)
+    em = sum(e.em for e in episodes) / len(episodes)
+    stage_logger("dev_eval").info("%s: %s EM %.3f over %d prompts (policy %s)",
+                                  "start" if iteration is None else f"iteration {iteration}", cfg.split, em,
+                                  len(episodes), policy_dir)
     return uri
 
 

@@ -19,6 +19,7 @@ from tasks._common import stage_logger, stage_task
 from tasks.prepare_data import DatasetUris
 
 DEFAULT_SMOLLM2_DIR = Path("data/models/smollm2-135m-instruct")
+_FIXED_TEXT_WEIGHT = 32  # copies of the tool instructions among the tokenizer's training texts
 
 
 def _tool_instructions(prompt_row: dict, corpus_rows: list[dict]) -> list[str]:
@@ -44,9 +45,11 @@ def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig) -> s
         corpus_rows = read_table("corpus", dataset.corpus_uri).to_pylist()
         prompt_rows = read_table("dataset_prompts", dataset.prompts_uri).to_pylist()
         texts = [row["text"] for row in corpus_rows]
-        # unique message texts: the shared system prompt would otherwise dominate the BPE merges
+        # unique message texts: the shared system prompt would otherwise dominate the BPE merges ...
         texts += sorted({m["content"] for row in prompt_rows for m in json.loads(row["messages"])})
-        texts += _tool_instructions(prompt_rows[0], corpus_rows)
+        # ... but the env's fixed text is in every episode's context, so it weighs as much as the
+        # corpus: compressed to a few tokens it makes every training sequence shorter.
+        texts += _tool_instructions(prompt_rows[0], corpus_rows) * _FIXED_TEXT_WEIGHT
         tokenizer = build_tokenizer(texts, vocab_size=policy.vocab_size)
         model = build_tiny_policy(
             tokenizer, hidden_size=policy.hidden_size, num_layers=policy.num_layers, num_heads=policy.num_heads,

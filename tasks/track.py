@@ -53,14 +53,18 @@ def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_d
     tracker.log_metrics(ref.mlflow_run_id, metrics, step=iteration)
     version = tracker.register_checkpoint(ref.mlflow_run_id, Path(checkpoint_dir), model_name, iteration)
     stage_logger("log_iteration").info(
-        "iteration %d: mean reward %.3f, EM %.3f, %.2f steps/episode, loss %.4f -> %s v%d",
-        iteration, summary.mean_reward, summary.em, summary.steps_per_episode, summary.loss, version.name, version.version,
+        "iteration %d: mean reward %.3f, EM %.3f, dev EM %.3f, %.2f steps/episode, loss %.4f -> %s v%d",
+        iteration, summary.mean_reward, summary.em, summary.dev_em, summary.steps_per_episode, summary.loss,
+        version.name, version.version,
     )
     return IterationReport(summary, version.name, version.version)
 
 
 @stage_task(name="finish_tracking")
-def finish_tracking(ref: TrackingRef, config_text: str) -> None:
+def finish_tracking(ref: TrackingRef, config_text: str, metrics: dict[str, float] | None = None) -> None:
+    """Log the run's config (and run-level `metrics`, e.g. the start policy's dev EM), end the run."""
     tracker = _tracker(ref)
+    if metrics:
+        tracker.log_metrics(ref.mlflow_run_id, metrics, step=0)
     tracker.log_text(ref.mlflow_run_id, config_text, "config.yaml")
     tracker.end_run(ref.mlflow_run_id)

@@ -15,7 +15,7 @@ from flows.train import train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ALGOS = sorted(p.stem for p in (REPO_ROOT / "configs" / "algos").glob("*.yaml"))
-SMALL = ["iterations=1", "data.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_steps=2",
+SMALL = ["iterations=1", "dev_eval.every=0", "data.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_steps=2",
          "rollout.max_new_tokens=8", "trainer.mini_batches=2"]
 
 
@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
 
 def test_the_paper_algorithms_and_ablations_all_have_configs():
     assert set(ALGOS) == {"grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                          "ppo_no_advantage_mask", "ppo_no_masks"}
+                          "ppo_no_advantage_mask", "ppo_no_masks", "grpo_no_loss_mask"}
 
 
 @pytest.mark.parametrize("name", ALGOS)
@@ -77,4 +77,10 @@ def test_advantage_mask_off_gives_observation_tokens_advantages(runs):
 def test_loss_mask_off_trains_on_more_tokens(runs):
     masked = sum(r["tokens"] for r in runs["ppo_no_advantage_mask"][3].to_pylist())
     unmasked = sum(r["tokens"] for r in runs["ppo_no_masks"][3].to_pylist())
+    assert unmasked > masked
+
+
+def test_grpo_loss_mask_off_trains_on_more_tokens(runs):
+    masked = sum(r["tokens"] for r in runs["grpo"][3].to_pylist())
+    unmasked = sum(r["tokens"] for r in runs["grpo_no_loss_mask"][3].to_pylist())
     assert unmasked > masked

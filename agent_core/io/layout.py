@@ -6,6 +6,8 @@
       runs/<run_id>/iteration=<k>/<table>.parquet    prompts, steps, rewards, advantages, train_metrics
       runs/<run_id>/iteration=<k>/checkpoint/        the policy after iteration k
       runs/<run_id>/iteration=<k>/optimizer.pt       its optimizer state (Adam moments)
+      runs/<run_id>/iteration=<k>/dev_eval.parquet   held-out EM of the policy after iteration k (`eval` table)
+      runs/<run_id>/dev_eval_start.parquet           ... and of the policy RL starts from
       runs/<run_id>/initial_critic/, iteration=<k>/critic/   the critic (gae, step_gae), + critic_optimizer.pt
       datasets/<dataset_id>/{prompts,corpus}.parquet shared by every run that uses the dataset
       evals/<eval_id>/<method>/seed=<s>/eval.parquet one evaluation's episodes; evals/<eval_id>/report.md
@@ -138,6 +140,13 @@ class RunLayout:
             if p.name.removeprefix("iteration=").isdigit() and (p / "checkpoint").is_dir()
         )
         return self.checkpoint_dir(iterations[-1]) if iterations else None
+
+    def dev_eval_uri(self, iteration: int | None) -> str:
+        """The held-out evaluation of the policy after iteration `iteration` (an `eval` table), or of
+        the policy RL starts from (None): runs/<id>/iteration=<k>/dev_eval.parquet, runs/<id>/dev_eval_start.parquet."""
+        if iteration is None:
+            return str(self.run_dir / "dev_eval_start.parquet")
+        return str(self.iteration_dir(iteration) / "dev_eval.parquet")
 
     def optimizer_state_path(self, iteration: int) -> Path:
         return self.iteration_dir(iteration) / "optimizer.pt"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import duckdb
 
@@ -28,6 +30,8 @@ class IterationSummary:
     grad_norm: float
     train_tokens_per_s: float
     skipped_updates: int
+    dev_em: float  # held-out EM after the iteration (DevEvalConfig); nan when not evaluated
+    dev_f1: float
 
     def metrics(self) -> dict[str, float]:
         """Everything numeric except the iteration, for MLflow."""
@@ -50,11 +54,21 @@ from read_parquet(?)
 """
 
 
+def eval_scores(uri: str) -> tuple[float, float]:
+    """(mean EM, mean F1) of an `eval` table; (nan, nan) when it does not exist."""
+    if not Path(uri).is_file():
+        return math.nan, math.nan
+    with duckdb.connect() as con:
+        em, f1 = con.execute("select avg(em), avg(f1) from read_parquet(?)", [uri]).fetchall()[0]
+    return float(em), float(f1)
+
+
 def iteration_summary(run: RunLayout, iteration: int) -> IterationSummary:
     with duckdb.connect() as con:
         episodes = con.execute(_EPISODES_SQL, [run.table_uri(iteration, "rewards")]).fetchall()[0]
         generated = con.execute(_STEPS_SQL, [run.table_uri(iteration, "steps")]).fetchall()[0][0]
         train = con.execute(_TRAIN_SQL, [run.table_uri(iteration, "train_metrics")]).fetchall()[0]
+    dev_em, dev_f1 = eval_scores(run.dev_eval_uri(iteration))
     count, reward, em, f1, fmt, steps = episodes
     loss, pg_loss, value_loss, kl, entropy, clipfrac, grad_norm, tokens_per_s, skipped = train
     return IterationSummary(
@@ -63,5 +77,5 @@ def iteration_summary(run: RunLayout, iteration: int) -> IterationSummary:
         generated_tokens=int(generated), loss=float(loss), pg_loss=float(pg_loss),
         value_loss=float("nan") if value_loss is None else float(value_loss), kl=float(kl),
         entropy=float(entropy), clipfrac=float(clipfrac), grad_norm=float(grad_norm),
-        train_tokens_per_s=float(tokens_per_s), skipped_updates=int(skipped),
+        train_tokens_per_s=float(tokens_per_s), skipped_updates=int(skipped), dev_em=dev_em, dev_f1=dev_f1,
     )

@@ -1,0 +1,86 @@
+"""Warm start: episodes to imitate (a scripted oracle's, or an earlier steps table), selected by SQL,
+then supervised fine-tuning of the initial policy; RL starts from the result
+(`RunLayout.start_policy_dir`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+from agent_core.config import RewardConfig, RolloutConfig, WarmStartConfig
+from agent_core.data.oracle import OracleEngine
+from agent_core.data.rows import row_to_document, row_to_prompt
+from agent_core.io.checkpoints import load_policy, load_tokenizer, save_policy
+from agent_core.io.layout import RunLayout
+from agent_core.io.query import select_episode_ids
+from agent_core.io.tables import read_table, write_table
+from agent_core.rewards.labelling import StepOutcome, label_steps
+from agent_core.training.batches import TrainStep, choose_layout
+from agent_core.training.sft import sft_train
+from agent_core.training.trainer import make_optimizer
+from tasks._common import stage_logger, stage_task
+from tasks.prepare_data import DatasetUris
+from tasks.rollout import roll_out
+
+_OUTCOME_FIELDS = [f.name for f in dataclasses.fields(StepOutcome)]
+
+
+@stage_task(name="oracle_episodes")
+def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, rollout: RolloutConfig,
+                    reward: RewardConfig, policy_dir: str, seed: int) -> tuple[str, str]:
+    """The scripted oracle solves `cfg.prompts` training prompts in the rollout's env and format,
+    recorded token for token with the policy's tokenizer; returns (steps uri, rewards uri)."""
+    log = stage_logger("oracle_episodes")
+    rows = [r for r in read_table("dataset_prompts", dataset.prompts_uri).to_pylist() if r["split"] == "train"]
+    chosen = random.Random(f"warm-start:{seed}").sample(rows, min(cfg.prompts, len(rows)))
+    prompts = [row_to_prompt(r) for r in chosen]
+    documents = [row_to_document(r) for r in read_table("corpus", dataset.corpus_uri).to_pylist()]
+    tokenizer = load_tokenizer(Path(policy_dir))
+    tool_format = rollout.env_kwargs.get("tool_format", "tag")
+    engine = OracleEngine(tokenizer, prompts, tool_format=tool_format)
+    records = roll_out(engine, tokenizer, prompts, documents, rollout, seed=seed, policy_version=0,
+                       episode_prefix=f"{run.run_id}-warm-", group_size=1)
+    steps = [{"run_id": run.run_id, "iteration": 0, **dataclasses.asdict(r)} for r in records]
+    steps_uri = write_table("steps", steps, run.warm_start_dir / "steps.parquet")
+    answers = {p.prompt_id: list(p.answers) for p in prompts}
+    labelled = label_steps([StepOutcome(**{k: s[k] for k in _OUTCOME_FIELDS}) for s in steps], answers,
+                           scorer=reward.scorer, format_weight=reward.format_weight)
+    rewards_uri = write_table("rewards", [{"run_id": run.run_id, "iteration": 0, **dataclasses.asdict(r)}
+                                          for r in labelled], run.warm_start_dir / "rewards.parquet")
+    finals = [r.em for r in labelled if r.em is not None]
+    log.info("warm start: the oracle solved %d of %d prompts (%d steps, %s format)", sum(finals), len(finals),
+             len(records), tool_format)
+    return steps_uri, rewards_uri
+
+
+def _selected_episodes(steps_uri: str, rewards_uri: str, sql: str) -> list[list[TrainStep]]:
+    chosen = set(select_episode_ids(sql, {"steps": steps_uri, "rewards": rewards_uri}))
+    steps = read_table("steps", steps_uri).select(
+        ["episode_id", "step_idx", "prompt_ids", "response_ids", "response_logprobs"]).to_pylist()
+    episodes: dict[str, list[dict]] = {}
+    for s in steps:
+        if s["episode_id"] in chosen:
+            episodes.setdefault(s["episode_id"], []).append(s)
+    return [[TrainStep(s["prompt_ids"], s["response_ids"], s["response_logprobs"], [0.0] * len(s["response_ids"]))
+             for s in sorted(rows, key=lambda r: r["step_idx"])] for rows in episodes.values()]
+
+
+@stage_task(name="warm_start")
+def warm_start(run: RunLayout, steps_uri: str, rewards_uri: str, cfg: WarmStartConfig, micro_batch_tokens: int,
+               policy_dir: str, seed: int) -> str:
+    """Fine-tune the policy of `policy_dir` on the episodes `cfg.select_sql` picks; return where it is."""
+    log = stage_logger("warm_start")
+    episodes = _selected_episodes(steps_uri, rewards_uri, cfg.select_sql)
+    if not episodes:
+        raise ValueError(f"warm start: {cfg.select_sql!r} selected no episode of {steps_uri}")
+    sequences = choose_layout(episodes, "auto")
+    model, tokenizer = load_policy(Path(policy_dir))
+    optimizer = make_optimizer(model, lr=cfg.lr)
+    results = sft_train(model, optimizer, sequences, pad_id=tokenizer.pad_token_id, epochs=cfg.epochs,
+                        batch_size=cfg.batch_size, micro_batch_tokens=micro_batch_tokens, seed=seed,
+                        log_every=max(1, len(sequences) // cfg.batch_size), log=log)
+    target = save_policy(model, tokenizer, run.warm_start_policy_dir)
+    log.info("warm start: %d episodes, NLL per action token %.3f -> %.3f over %d steps; policy at %s",
+             len(episodes), results[0].nll, results[-1].nll, len(results), target)
+    return str(target)
