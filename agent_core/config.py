@@ -45,6 +45,9 @@ class DataConfig(_Section):
     three_hop_fraction: float = Field(0.25, ge=0, lt=1, description="synthetic: share of 3-hop bridge questions")
     comparison_fraction: float = Field(0.2, ge=0, lt=1, description="synthetic: share of comparison questions")
     distractor_fraction: float = Field(0.3, ge=0, le=1, description="synthetic: share of namesake entities")
+    split_by: Literal["key_people", "question"] = Field(
+        "key_people", description="synthetic: held-out questions start from unseen people, or are unseen questions"
+    )
     files: dict[Literal["train", "dev", "test"], str] = Field(
         default_factory=dict, description="real datasets: split name -> native file"
     )
@@ -216,11 +219,15 @@ class WarmStartConfig(_Section):
     enabled: bool = False
     source: Literal["oracle", "steps"] = "oracle"
     prompts: int = Field(64, ge=1, description="oracle: training prompts solved by the scripted agent")
+    rag_prompts: int = Field(0, ge=0, description="oracle: training prompts answered in the naive_rag format too")
     steps_uri: str | None = Field(None, description="source steps: a steps.parquet with rewards.parquet beside it")
     select_sql: str = "select episode_id from rewards where em = 1"
     epochs: int = Field(3, ge=1)
     batch_size: int = Field(16, ge=1, description="sequences per optimizer step")
     lr: float = Field(1e-3, gt=0)
+    loss_on: Literal["actions", "all"] = Field(
+        "actions", description="targets: the action tokens, or every token of the episode (language modelling)"
+    )
 
     @model_validator(mode="after")
     def _steps_source_has_a_table(self) -> "WarmStartConfig":

@@ -48,7 +48,8 @@ def _evaluates_after(iteration: int, config: PipelineConfig) -> bool:
 def _warm_start(run: RunLayout, dataset: DatasetUris, config: PipelineConfig, policy_dir: str) -> str:
     cfg = config.warm_start
     if cfg.source == "oracle":
-        steps, rewards = oracle_episodes(run, dataset, cfg, config.rollout, config.reward, policy_dir, config.seed)
+        steps, rewards = oracle_episodes(run, dataset, cfg, config.rollout, config.reward, policy_dir, config.seed,
+                                         config.data.top_k)
     else:
         steps = cfg.steps_uri
         rewards = str(Path(steps).with_name("rewards.parquet"))

@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 from agent_core.config import RewardConfig, RolloutConfig, WarmStartConfig
-from agent_core.data.oracle import OracleEngine
+from agent_core.data.oracle import OracleEngine, rag_demonstrations
 from agent_core.data.rows import row_to_document, row_to_prompt
 from agent_core.io.checkpoints import load_policy, load_tokenizer, save_policy
 from agent_core.io.layout import RunLayout
@@ -28,9 +28,10 @@ _OUTCOME_FIELDS = [f.name for f in dataclasses.fields(StepOutcome)]
 
 @stage_task(name="oracle_episodes")
 def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, rollout: RolloutConfig,
-                    reward: RewardConfig, policy_dir: str, seed: int) -> tuple[str, str]:
-    """The scripted oracle solves `cfg.prompts` training prompts in the rollout's env and format,
-    recorded token for token with the policy's tokenizer; returns (steps uri, rewards uri)."""
+                    reward: RewardConfig, policy_dir: str, seed: int, top_k: int = 3) -> tuple[str, str]:
+    """The scripted oracle solves `cfg.prompts` training prompts in the rollout's env and format, and
+    answers `cfg.rag_prompts` others in the naive_rag format (with `top_k` passages), recorded token for token with the
+    policy's tokenizer; returns (steps uri, rewards uri)."""
     log = stage_logger("oracle_episodes")
     rows = [r for r in read_table("dataset_prompts", dataset.prompts_uri).to_pylist() if r["split"] == "train"]
     chosen = random.Random(f"warm-start:{seed}").sample(rows, min(cfg.prompts, len(rows)))
@@ -41,16 +42,21 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     engine = OracleEngine(tokenizer, prompts, tool_format=tool_format)
     records = roll_out(engine, tokenizer, prompts, documents, rollout, seed=seed, policy_version=0,
                        episode_prefix=f"{run.run_id}-warm-", group_size=1)
+    rag_rows = random.Random(f"warm-start-rag:{seed}").sample(rows, min(cfg.rag_prompts, len(rows)))
+    prompts += [row_to_prompt(r) for r in rag_rows]
+    records += rag_demonstrations(tokenizer, [row_to_prompt(r) for r in rag_rows], documents,
+                                  top_k=top_k,
+                                  episode_prefix=f"{run.run_id}-rag-")
     steps = [{"run_id": run.run_id, "iteration": 0, **dataclasses.asdict(r)} for r in records]
     steps_uri = write_table("steps", steps, run.warm_start_dir / "steps.parquet")
-    answers = {p.prompt_id: list(p.answers) for p in prompts}
+    answers = {p.prompt_id: list(p.answers) for p in prompts}  # a prompt in both samples: same answers
     labelled = label_steps([StepOutcome(**{k: s[k] for k in _OUTCOME_FIELDS}) for s in steps], answers,
                            scorer=reward.scorer, format_weight=reward.format_weight)
     rewards_uri = write_table("rewards", [{"run_id": run.run_id, "iteration": 0, **dataclasses.asdict(r)}
                                           for r in labelled], run.warm_start_dir / "rewards.parquet")
     finals = [r.em for r in labelled if r.em is not None]
-    log.info("warm start: the oracle solved %d of %d prompts (%d steps, %s format)", sum(finals), len(finals),
-             len(records), tool_format)
+    log.info("warm start: the oracle solved %d of %d episodes (%d tool episodes in the %s format, %d naive_rag "
+             "answers; %d steps)", sum(finals), len(finals), len(chosen), tool_format, len(rag_rows), len(records))
     return steps_uri, rewards_uri
 
 
@@ -79,7 +85,7 @@ def warm_start(run: RunLayout, steps_uri: str, rewards_uri: str, cfg: WarmStartC
     optimizer = make_optimizer(model, lr=cfg.lr)
     results = sft_train(model, optimizer, sequences, pad_id=tokenizer.pad_token_id, epochs=cfg.epochs,
                         batch_size=cfg.batch_size, micro_batch_tokens=micro_batch_tokens, seed=seed,
-                        log_every=max(1, len(sequences) // cfg.batch_size), log=log)
+                        log_every=max(1, len(sequences) // cfg.batch_size), log=log, all_tokens=cfg.loss_on == "all")
     target = save_policy(model, tokenizer, run.warm_start_policy_dir)
     log.info("warm start: %d episodes, NLL per action token %.3f -> %.3f over %d steps; policy at %s",
              len(episodes), results[0].nll, results[-1].nll, len(results), target)

@@ -103,3 +103,22 @@ def test_a_prompt_without_a_plan_is_refused(task):
     bare = dataclasses.replace(task[1][0], metadata={}, prompt_id="hotpot-1")
     with pytest.raises(ValueError, match="'hotpot-1' has no metadata\\['oracle_plan'\\]"):
         oracle_actions(bare)
+
+
+def test_rag_demonstrations_are_the_naive_rag_prompt_answered_with_the_gold(task, tmp_path):
+    from agent_core.data.oracle import rag_demonstrations
+    from agent_core.eval.methods import answer_of, naive_rag_messages, question_text
+    from agent_core.rollout.chat import encode_conversation
+
+    dataset, chosen, tokenizer, resources = task
+    records = rag_demonstrations(tokenizer, chosen[:5], dataset.documents, top_k=2, episode_prefix="rag-")
+    index = Bm25Index(dataset.documents)
+    for prompt, record in zip(chosen[:5], records):
+        passages = index.search(question_text(prompt), 2)
+        assert record.prompt_ids == encode_conversation(tokenizer, naive_rag_messages(prompt, passages))
+        text = tokenizer.decode(record.response_ids, skip_special_tokens=True)
+        assert exact_match(answer_of(text), prompt.answers) == 1.0
+        assert record.response_ids[-1] == eos_token_ids(tokenizer)[-1] and record.done
+        assert json.loads(record.info)["answer"] == prompt.metadata["oracle_plan"]["answer"]
+    rows = [{"run_id": "r", "iteration": 0, **dataclasses.asdict(r)} for r in records]
+    write_table("steps", rows, tmp_path / "steps.parquet")  # a valid steps table

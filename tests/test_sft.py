@@ -42,6 +42,18 @@ def test_nll_is_the_mean_over_action_tokens_only(setup):
     assert result.nll == pytest.approx(expected, rel=1e-5) and result.tokens == int(action.sum())
 
 
+def test_all_tokens_is_the_mean_over_every_predicted_token(setup):
+    tokenizer, model, steps = setup
+    sequence = choose_layout([steps])[0]
+    ids = torch.tensor([sequence.input_ids])
+    with torch.no_grad():
+        logprobs, _ = sequence_logprobs(model, ids, torch.ones_like(ids))
+    expected = -logprobs[0][1:].mean().item()  # the first token has no context: never a target
+    result = sft_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [sequence], pad_id=tokenizer.pad_token_id,
+                      micro_batch_tokens=64, max_grad_norm=None, all_tokens=True)
+    assert result.nll == pytest.approx(expected, rel=1e-5) and result.tokens == len(sequence) - 1
+
+
 def test_sft_learns_the_actions_and_greedy_decoding_reproduces_them(setup):
     tokenizer, model, steps = setup
     sequences = choose_layout([steps])

@@ -221,3 +221,24 @@ def test_no_held_out_splits_when_fractions_are_zero():
 def test_bad_arguments_name_the_argument(change, name):
     with pytest.raises(ValueError, match=re.escape(name)):
         generate_synthetic_qa(seed=0, **change)
+
+
+def test_split_by_question_holds_out_questions_not_people():
+    from agent_core.data.synthetic import generate_synthetic_qa as generate
+
+    strict = generate(seed=3, num_films=60, num_people=40, num_cities=10, num_countries=4)
+    by_question = generate(seed=3, num_films=60, num_people=40, num_cities=10, num_countries=4, split_by="question")
+    assert by_question.dataset_id != strict.dataset_id
+    assert by_question == generate(seed=3, num_films=60, num_people=40, num_cities=10, num_countries=4,
+                                   split_by="question")  # deterministic
+    counts = {s: sum(p.split == s for p in by_question.prompts) for s in ("train", "dev", "test")}
+    total = len(by_question.prompts)
+    assert counts["test"] == round(0.1 * total) and counts["dev"] == round(0.1 * total)
+    train_questions = {p.messages[-1].content for p in by_question.prompts if p.split == "train"}
+    held_out = [p for p in by_question.prompts if p.split != "train"]
+    assert not any(p.messages[-1].content in train_questions for p in held_out)  # unseen combinations
+    # ... whose supporting pages (entities) training questions do use
+    train_docs = {d for p in by_question.prompts if p.split == "train" for d in p.metadata["supporting_doc_ids"]}
+    assert sum(bool(set(p.metadata["supporting_doc_ids"]) & train_docs) for p in held_out) > len(held_out) / 2
+    with pytest.raises(ValueError, match="split_by must be one of key_people, question"):
+        generate(seed=3, split_by="people")

@@ -25,14 +25,17 @@ its episodes are recorded as a true steps table, token for token in the policy's
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Sequence
 
 from agent_core.envs.builtin_tools import SearchTool
 from agent_core.envs.formats import ParsedCall, ToolCallFormat, build_format
-from agent_core.rollout.chat import eos_token_ids
+from agent_core.envs.search import Bm25Index
+from agent_core.rollout.chat import encode_conversation, eos_token_ids
 from agent_core.rollout.engine import Generation, SamplingParams
-from agent_core.types import Prompt
+from agent_core.rollout.records import StepRecord
+from agent_core.types import Document, Prompt
 
 # The search tool's declaration as the formats need it (the real tool needs a corpus to exist).
 _SEARCH_SPEC = {
@@ -43,6 +46,9 @@ _SEARCH_SPEC = {
         "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
     },
 }
+
+
+_LEADING_SPACE = {"tag": " "}  # formats whose values are free text (JSON values in hermes are not)
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,11 +68,17 @@ def oracle_plan(prompt: Prompt) -> tuple[tuple[str, ...], str]:
 
 
 def oracle_actions(prompt: Prompt, tool_format: str = "tag") -> list[str]:
-    """The action texts of an ideal episode: one search per planned query, then the answer."""
+    """The action texts of an ideal episode: one search per planned query, then the answer.
+
+    In the tag format each value starts with a space (`<search> Ann Lee</search>`, which the parser
+    strips): with a byte-level BPE " Ann" and "Ann" are different tokens, and the space makes a name
+    in an action the same tokens as in the question and the passages, so a policy learns to copy it.
+    """
     queries, answer = oracle_plan(prompt)
     writer = _format(tool_format)
-    searches = [writer.format_calls([ParsedCall(SearchTool.name, {"query": query})]) for query in queries]
-    return [*searches, writer.format_answer(answer)]
+    lead = _LEADING_SPACE.get(tool_format, "")
+    searches = [writer.format_calls([ParsedCall(SearchTool.name, {"query": lead + query})]) for query in queries]
+    return [*searches, writer.format_answer(lead + answer)]
 
 
 def question_of(prompt: Prompt) -> str:
@@ -141,3 +153,33 @@ def _contains(haystack: list[int], needle: tuple[int, ...]) -> bool:
         if tuple(haystack[start : start + size]) == needle:
             return True
         start += 1
+
+
+def rag_demonstrations(tokenizer, prompts: Sequence[Prompt], documents: Sequence[Document], *, top_k: int,
+                       episode_prefix: str) -> list[StepRecord]:
+    """One-step episodes in the `naive_rag` method's format: the top-k passages BM25 finds for the
+    question and the question in one user turn, answered with the gold answer.
+
+    Why: the paper's Naive RAG baseline is an instruct model that can already answer from given
+    passages; a policy warm-started on tool episodes only has never seen that prompt, and a RAG
+    score of 0 would flatter the agents. The demonstrations teach the format and reading the
+    passages; whether the passages hold the answer is up to retrieval, as in the baseline.
+    """
+    from agent_core.eval.methods import naive_rag_messages, question_text  # eval builds on data, not back
+
+    index = Bm25Index(documents)
+    end_of_turn = eos_token_ids(tokenizer)[-1]
+    records = []
+    for prompt in prompts:
+        _, answer = oracle_plan(prompt)
+        context = encode_conversation(tokenizer, naive_rag_messages(prompt, index.search(question_text(prompt), top_k)))
+        text = _format("tag").format_answer(_LEADING_SPACE["tag"] + answer)  # the method reads <answer> tags
+        response = tokenizer.encode(text, add_special_tokens=False) + [end_of_turn]
+        records.append(StepRecord(
+            episode_id=f"{episode_prefix}{prompt.prompt_id}", group_id=f"{episode_prefix}{prompt.prompt_id}",
+            prompt_id=prompt.prompt_id, sample_idx=0, step_idx=0, policy_version=0, prompt_ids=context,
+            response_ids=response, response_logprobs=[0.0] * len(response), response_text=text, tool_calls="[]",
+            parse_error=None, observation_text="", env_reward=0.0, done=True, termination="answered",
+            truncated=False, finish_reason="stop", prefix_shared=False, info=json.dumps({"answer": answer}),
+        ))
+    return records

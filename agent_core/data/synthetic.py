@@ -49,6 +49,7 @@ _RESERVED_WORDS = frozenset(
     for word in text.split()
 )
 _HELD_OUT = ("test", "dev")
+SPLIT_MODES = ("key_people", "question")
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,29 @@ def _assign_people(questions: list[Question], rng: random.Random, targets: _Spli
     return split_of
 
 
+def _by_question(world: World, bridges: list[Question], comparisons: int, targets: _SplitTargets,
+                 rng: random.Random) -> list[tuple[Question, str]]:
+    """split_by="question": every question drawn into a split at random (its entities may appear in
+    other splits' questions, its combination of template and entities does not)."""
+    questions = bridges + comparison_questions(world, rng, list(range(len(world.films))), comparisons)
+    rng.shuffle(questions)
+    sizes = {split: round(len(questions) * targets.fraction(split)) for split in _HELD_OUT}
+    labels = ["test"] * sizes["test"] + ["dev"] * sizes["dev"]
+    labels += ["train"] * (len(questions) - len(labels))
+    return list(zip(questions, labels))
+
+
 def _questions_by_split(world: World, arguments: dict, rng: random.Random) -> list[tuple[Question, str]]:
     two_hop, three_hop_pool = bridge_questions(world)
     target_total = len(two_hop) / (1 - arguments["three_hop_fraction"] - arguments["comparison_fraction"])
     three_hop = rng.sample(three_hop_pool, min(len(three_hop_pool), round(target_total * arguments["three_hop_fraction"])))
     bridges = two_hop + three_hop
-    split_of = _assign_people(bridges, rng, _SplitTargets(arguments["dev_fraction"], arguments["test_fraction"]))
+    targets = _SplitTargets(arguments["dev_fraction"], arguments["test_fraction"])
+    if arguments.get("split_by", "key_people") == "question":
+        labelled = _by_question(world, bridges, round(target_total * arguments["comparison_fraction"]), targets, rng)
+        rng.shuffle(labelled)
+        return labelled
+    split_of = _assign_people(bridges, rng, targets)
     labelled = [(q, split_of[next(iter(q.key_people))]) for q in bridges]
     comparisons = round(target_total * arguments["comparison_fraction"])
     for split in ("train", *_HELD_OUT):
@@ -165,6 +183,7 @@ def generate_synthetic_qa(
     three_hop_fraction: float = 0.25,
     comparison_fraction: float = 0.2,
     distractor_fraction: float = 0.3,
+    split_by: str = "key_people",
 ) -> SyntheticQA:
     """Generate the task. Same arguments -> identical output (prompts, documents, order, ids).
 
@@ -172,6 +191,9 @@ def generate_synthetic_qa(
         comparisons (3-hop ones are capped by how many the world allows); the rest are 2-hop bridges.
     distractor_fraction: the share of people and films named after another person (see
         synthetic_world.py), whose pages compete in searches on part of a name.
+    split_by: "key_people" (the default; see the module docstring) or "question": a random split
+        of the questions, so a held-out question is a combination of template and entities never
+        seen in training, but its entities may be (a model can then answer from what it memorised).
     """
     arguments = dict(
         seed=seed, num_films=num_films, num_people=num_people, num_cities=num_cities,
@@ -179,6 +201,10 @@ def generate_synthetic_qa(
         three_hop_fraction=three_hop_fraction, comparison_fraction=comparison_fraction,
         distractor_fraction=distractor_fraction,
     )
+    if split_by not in SPLIT_MODES:
+        raise ValueError(f"generate_synthetic_qa: split_by must be one of {', '.join(SPLIT_MODES)}, got {split_by!r}")
+    if split_by != "key_people":  # the default stays out of the id: existing datasets keep theirs
+        arguments["split_by"] = split_by
     _check_arguments(arguments)
     rng = random.Random(seed)
     sizes = WorldSizes(num_films, num_people, num_cities, num_countries)

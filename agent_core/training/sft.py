@@ -5,6 +5,10 @@ A small model first learns the tool format and the task's moves by imitating suc
 the mean negative log-likelihood of the action tokens (the action mask: prompt, observation and
 template-glue tokens are context, never targets), token-mean over each optimizer step, with the
 same token-budgeted micro-batches, gradient clipping and non-finite guard as the PPO trainer.
+With `all_tokens=True` every predicted token is a target (language modelling on the whole episode,
+passages included): a from-scratch model learns to copy a name it has just read from the repeated
+names in passages far sooner than from the few action tokens alone (measured on the built-in task:
+see docs/results.md). The RL masks are unaffected; this is the warm start's objective only.
 
 Where this differs from Agent-R1: the paper starts RL from instruct models that already follow a
 tool format; a from-scratch CPU-scale model needs this warm start to produce any reward at all.
@@ -20,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from agent_core.algos.masks import predicted_token_mask
 from agent_core.training.batches import TrainSequence, make_micro_batches
 from agent_core.training.scoring import sequence_logprobs
 
@@ -37,12 +42,14 @@ class SftResult:
 
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: Sequence[TrainSequence], *,
-             pad_id: int, micro_batch_tokens: int, max_grad_norm: float | None, epoch: int = 0) -> SftResult:
-    """One optimizer step of token-mean NLL over the action tokens of `sequences`."""
+             pad_id: int, micro_batch_tokens: int, max_grad_norm: float | None, epoch: int = 0,
+             all_tokens: bool = False) -> SftResult:
+    """One optimizer step of token-mean NLL over the action tokens (or all predicted tokens) of `sequences`."""
     started = time.perf_counter()
     device = next(model.parameters()).device
     batches = [b.to(device) for b in make_micro_batches(sequences, max_tokens=micro_batch_tokens, pad_id=pad_id)]
-    targets = [(b.action_mask * b.attention_mask).float() for b in batches]
+    targets = [(predicted_token_mask(b.attention_mask) if all_tokens else b.action_mask * b.attention_mask).float()
+               for b in batches]
     total_tokens = float(sum(t.sum() for t in targets))
     if total_tokens == 0:
         raise ValueError("sft_step: the sequences have no action tokens to learn")
@@ -65,7 +72,7 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences
 
 def sft_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: Sequence[TrainSequence], *,
               pad_id: int, epochs: int, batch_size: int, micro_batch_tokens: int, max_grad_norm: float | None = 1.0,
-              seed: int = 0, log_every: int = 0, log=None) -> list[SftResult]:
+              seed: int = 0, log_every: int = 0, log=None, all_tokens: bool = False) -> list[SftResult]:
     """`epochs` shuffled passes over `sequences`, one optimizer step per `batch_size` sequences."""
     if not sequences:
         raise ValueError("sft_train needs at least one sequence")
@@ -79,7 +86,8 @@ def sft_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequence
         for start in range(0, len(order), batch_size):
             chosen = [sequences[i] for i in order[start:start + batch_size]]
             results.append(sft_step(model, optimizer, chosen, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens,
-                                    max_grad_norm=max_grad_norm, epoch=epoch))
+                                    max_grad_norm=max_grad_norm, epoch=epoch, all_tokens=all_tokens))
             if log is not None and log_every and len(results) % log_every == 0:
-                log.info("warm start: epoch %d, step %d, NLL per action token %.3f", epoch, len(results), results[-1].nll)
+                log.info("warm start: epoch %d, step %d, NLL per %s token %.3f", epoch, len(results),
+                         "predicted" if all_tokens else "action", results[-1].nll)
     return results
