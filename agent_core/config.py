@@ -211,22 +211,24 @@ class TrainerConfig(_Section):
 class WarmStartConfig(_Section):
     """Supervised warm start before RL: imitate selected episodes (DESIGN: agent_core/training/sft.py).
 
-    source oracle: a scripted agent solves `prompts` training prompts of the built-in task first.
-    steps: the episodes of an existing steps table (`steps_uri`, with its rewards table next to it).
-    select_sql picks the episodes (DuckDB over views `steps` and `rewards`; must return episode_id).
+    On by default: a from-scratch policy produces no reward at all without it. source oracle: a
+    scripted agent solves `prompts` training prompts of the built-in task first (and answers
+    `rag_prompts` in the naive_rag format). steps: the episodes of an existing steps table
+    (`steps_uri`, with its rewards table next to it). select_sql picks the episodes (DuckDB over
+    views `steps` and `rewards`; must return episode_id).
     """
 
-    enabled: bool = False
+    enabled: bool = True
     source: Literal["oracle", "steps"] = "oracle"
-    prompts: int = Field(64, ge=1, description="oracle: training prompts solved by the scripted agent")
-    rag_prompts: int = Field(0, ge=0, description="oracle: training prompts answered in the naive_rag format too")
+    prompts: int = Field(256, ge=1, description="oracle: training prompts solved by the scripted agent")
+    rag_prompts: int = Field(64, ge=0, description="oracle: training prompts answered in the naive_rag format too")
     steps_uri: str | None = Field(None, description="source steps: a steps.parquet with rewards.parquet beside it")
     select_sql: str = "select episode_id from rewards where em = 1"
     epochs: int = Field(3, ge=1)
-    batch_size: int = Field(16, ge=1, description="sequences per optimizer step")
-    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(8, ge=1, description="sequences per optimizer step")
+    lr: float = Field(3e-3, gt=0)
     loss_on: Literal["actions", "all"] = Field(
-        "actions", description="targets: the action tokens, or every token of the episode (language modelling)"
+        "all", description="targets: the action tokens, or every token of the episode (language modelling)"
     )
 
     @model_validator(mode="after")

@@ -17,12 +17,14 @@ from pathlib import Path
 
 from prefect import flow
 
+from agent_core.config import DevEvalConfig
 from agent_core.eval.experiment import ArmCurve, ExperimentConfig
 from agent_core.io.configs import load_config
 from agent_core.io.layout import DataRoot, new_run_id
+from agent_core.io.summaries import eval_scores
 from flows.eval import evaluate_methods
 from flows.train import TrainResult, start_policy, train
-from tasks.evaluate import run_eval_settings
+from tasks.evaluate import dev_eval, run_eval_settings
 from tasks.experiment_report import experiment_report
 
 
@@ -41,10 +43,13 @@ def _curve(result: TrainResult, seconds: float) -> ArmCurve:
 
 
 def _setup(base, exp: ExperimentConfig, warm_policy: str) -> list[str]:
+    ws = base.warm_start
+    where = Path(warm_policy).resolve().relative_to(Path(base.data_root).resolve())
     return [
         f"policy: tiny Llama from scratch ({base.policy.num_layers} layers x {base.policy.hidden_size} hidden, "
-        f"vocab {base.policy.vocab_size}), warm start on {base.warm_start.prompts} scripted oracle episodes "
-        f"({base.warm_start.epochs} epochs) -> `{warm_policy}`",
+        f"BPE vocab {base.policy.vocab_size}); warm start on {ws.prompts} scripted tool episodes + {ws.rag_prompts} "
+        f"naive_rag-format answers (training prompts; {ws.epochs} epochs, lr {ws.lr}, loss on {ws.loss_on} tokens) "
+        f"-> `<data root>/{where}`; Naive RAG and Base Tool Call are this policy",
         f"data: built-in synthetic multi-hop QA (seed {base.data.seed}, {base.data.num_films} films, "
         f"{base.data.num_people} people; 3-hop {base.data.three_hop_fraction}, comparison "
         f"{base.data.comparison_fraction}), search top_k {base.data.top_k}",
@@ -65,7 +70,12 @@ def experiment(exp: ExperimentConfig, config_dir: str, data_root: str, command: 
     base_files = [Path(config_dir) / name for name in exp.base_configs]
 
     base = load_config(base_files, [*common, "warm_start.enabled=true", f"run_id={experiment_id}-base"])
-    dataset, warm_policy = start_policy(DataRoot(Path(data_root)).run(base.run_id), base)
+    base_run = DataRoot(Path(data_root)).run(base.run_id)
+    dataset, warm_policy = start_policy(base_run, base)
+    # What the warm start memorised vs what generalises: its greedy EM on training prompts
+    on_train = DevEvalConfig(split="train", prompts=base.dev_eval.prompts)
+    train_em, _ = eval_scores(dev_eval(base_run, None, warm_policy, dataset, on_train,
+                                       run_eval_settings(base, greedy=True)))
 
     curves = {}
     checkpoints = {"naive_rag": warm_policy, "base_tool_call": warm_policy}
@@ -87,6 +97,8 @@ def experiment(exp: ExperimentConfig, config_dir: str, data_root: str, command: 
         limit=exp.eval_limit, eval_id=f"{experiment_id}-eval", method_of={arm.name: "agent" for arm in exp.arms},
     )
     wall = time.perf_counter() - started
-    page = experiment_report(exp, data_root, experiment_id, evaluation.table_uris, curves, command, wall,
-                             _setup(base, exp, warm_policy))
+    setup = [*_setup(base, exp, warm_policy),
+             f"warm-started policy, greedy EM on the first {on_train.prompts} training prompts: {train_em:.3f} "
+             f"(on the dev prompts: the iteration-0 points of the dev EM plot)"]
+    page = experiment_report(exp, data_root, experiment_id, evaluation.table_uris, curves, command, wall, setup)
     return ExperimentResult(experiment_id, page, evaluation.markdown, wall)

@@ -48,10 +48,10 @@ def experiment_report(exp: ExperimentConfig, data_root: str, experiment_id: str,
     paths = {
         "Held-out dev EM per iteration": plot_curves(
             {titles[n]: c.dev_em for n, c in curves.items()}, title="Dev EM (greedy) while training",
-            ylabel="dev EM", path=plots_dir / "dev_em.png"),
+            ylabel="dev EM", path=plots_dir / "dev_em.png", xlabel="RL iterations done (0: the warm-started policy)"),
         "Mean episode reward per iteration": plot_curves(
             {titles[n]: c.reward for n, c in curves.items()}, title="Mean episode reward of the rollouts",
-            ylabel="reward", path=plots_dir / "reward.png"),
+            ylabel="reward", path=plots_dir / "reward.png", xlabel="iteration"),
         f"{exp.eval_split.capitalize()} EM per method": plot_bars(
             {titles[m]: (em[m].mean, em[m].std) for m in report.methods},
             title=f"{exp.eval_split} EM, mean ± std over {exp.eval_seeds} seeds", ylabel="EM",

@@ -87,6 +87,7 @@ def warm_start(run: RunLayout, steps_uri: str, rewards_uri: str, cfg: WarmStartC
                         batch_size=cfg.batch_size, micro_batch_tokens=micro_batch_tokens, seed=seed,
                         log_every=max(1, len(sequences) // cfg.batch_size), log=log, all_tokens=cfg.loss_on == "all")
     target = save_policy(model, tokenizer, run.warm_start_policy_dir)
-    log.info("warm start: %d episodes, NLL per action token %.3f -> %.3f over %d steps; policy at %s",
-             len(episodes), results[0].nll, results[-1].nll, len(results), target)
+    log.info("warm start: %d episodes, NLL per %s token %.3f -> %.3f over %d steps; policy at %s",
+             len(episodes), "predicted" if cfg.loss_on == "all" else "action", results[0].nll, results[-1].nll,
+             len(results), target)
     return str(target)

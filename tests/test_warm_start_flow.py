@@ -23,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def warm_run(tmp_path_factory):
     data_root = tmp_path_factory.mktemp("warm")
     config = load_config(REPO_ROOT / "configs" / "tiny.yaml", [
-        f"data_root={data_root}", "run_id=warm", "warm_start.enabled=true", "warm_start.prompts=6",
+        f"data_root={data_root}", "run_id=warm", "warm_start.enabled=true", "warm_start.prompts=6", "warm_start.rag_prompts=3",
         "warm_start.epochs=2", "warm_start.batch_size=4", "dev_eval.prompts=3",
     ])
     result = train(config)
@@ -35,12 +35,16 @@ def test_the_oracle_episodes_are_a_valid_steps_table_with_rewards(warm_run):
     steps = read_table("steps", str(run.warm_start_dir / "steps.parquet"))
     rewards = read_table("rewards", str(run.warm_start_dir / "rewards.parquet"))
     assert steps.num_rows == rewards.num_rows > 0
-    assert len(set(steps.column("episode_id").to_pylist())) == 6  # one episode per oracle prompt
+    episodes = set(steps.column("episode_id").to_pylist())
+    assert len({e for e in episodes if e.startswith("warm-warm-")}) == 6  # one per oracle prompt, with tools
+    rag = {e for e in episodes if e.startswith("warm-rag-")}
+    assert len(rag) == 3 and len(episodes) == 9  # and one step each in the naive_rag format
     # the oracle searches before it answers; under the tiny config's budgets (3 steps, 12 tokens per
     # action) it solves only the prompts whose plan fits, but some
     assert any("<search>" in text for text in steps.column("response_text").to_pylist())
-    finals = [em for em in rewards.column("em").to_pylist() if em is not None]
-    assert len(finals) == 6 and sum(finals) >= 1
+    finals = {r["episode_id"]: r["em"] for r in rewards.to_pylist() if r["em"] is not None}
+    assert len(finals) == 9 and sum(finals[e] for e in episodes - rag) >= 1
+    assert all(finals[e] == 1.0 for e in rag)  # the gold answer, in <answer> tags
 
 
 def test_rl_starts_from_the_warm_started_policy(warm_run):

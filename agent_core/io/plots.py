@@ -26,14 +26,15 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def plot_curves(curves: Mapping[str, Sequence[tuple[int, float]]], *, title: str, ylabel: str, path: Path) -> Path:
+def plot_curves(curves: Mapping[str, Sequence[tuple[int, float]]], *, title: str, ylabel: str, path: Path,
+                xlabel: str = "iteration") -> Path:
     """One line per name: (iteration, value) points, e.g. dev EM per iteration for each algorithm."""
     figure, axis = plt.subplots(figsize=(7, 4))
     for name, points in sorted(curves.items()):
         if points:
             xs, ys = zip(*sorted(points))
             axis.plot(xs, ys, marker="o", label=name)
-    axis.set_xlabel("iteration")
+    axis.set_xlabel(xlabel)
     axis.set_ylabel(ylabel)
     axis.set_title(title)
     axis.grid(alpha=0.3)
