@@ -11,26 +11,24 @@ import pyarrow as pa
 from prefect.artifacts import create_markdown_artifact
 
 from agent_core.config import DevEvalConfig, PipelineConfig
-from agent_core.data.rows import row_to_document, row_to_prompt
 from agent_core.eval.methods import EVAL_METHODS, EvalSettings
 from agent_core.eval.report import EvalReport, eval_report
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.tables import read_table, rows_of, table_exists, write_table
 from agent_core.io.tracking import Tracker
 from tasks._common import stage_logger, stage_task
-from tasks.prepare_data import DatasetUris
+from tasks.prepare_data import DatasetUris, read_corpus, split_prompts
 
 EVAL_EXPERIMENT = "agentr1-eval"
 
 
-def split_prompts(dataset: DatasetUris, split: str, limit: int | None) -> list:
-    """The split's prompts in dataset order, the first `limit` of them if given."""
-    rows = read_table("dataset_prompts", dataset.prompts_uri).to_pylist()
-    chosen = [row for row in rows if row["split"] == split]
-    if not chosen:
-        splits = sorted({row["split"] for row in rows})
-        raise ValueError(f"{dataset.prompts_uri}: no prompts with split {split!r}; splits there: {', '.join(splits)}")
-    return [row_to_prompt(row) for row in chosen[:limit]]
+def _evaluate_into(uri: str, registered: str, checkpoint: str, prompts: list, documents: list,
+                   settings: EvalSettings, **columns) -> float:
+    """Run the registered method `registered` with the policy at `checkpoint`; write its episodes
+    (plus the constant `columns`: eval_id, method label, split) as the eval table `uri`; return the mean EM."""
+    episodes = EVAL_METHODS.get(registered)(Path(checkpoint), prompts, documents, settings)
+    write_table("eval", rows_of(episodes, checkpoint=str(checkpoint), seed=settings.seed, **columns), uri)
+    return sum(e.em for e in episodes) / max(len(episodes), 1)
 
 
 @stage_task(name="evaluate")
@@ -44,14 +42,10 @@ def evaluate(data_root: str, eval_id: str, method: str, checkpoint: str, dataset
     if table_exists(uri):
         log.info("%s seed %d: already evaluated (%s)", method, settings.seed, uri)
         return uri
-    run_method = EVAL_METHODS.get(runs_as or method)
     prompts = split_prompts(dataset, split, limit)
-    documents = [row_to_document(row) for row in read_table("corpus", dataset.corpus_uri).to_pylist()]
-    episodes = run_method(Path(checkpoint), prompts, documents, settings)
-    rows = rows_of(episodes, eval_id=eval_id, method=method, checkpoint=str(checkpoint), split=split, seed=settings.seed)
-    write_table("eval", rows, uri)
-    em = sum(e.em for e in episodes) / max(len(episodes), 1)
-    log.info("%s seed %d: %d prompts, EM %.3f -> %s", method, settings.seed, len(episodes), em, uri)
+    em = _evaluate_into(uri, runs_as or method, checkpoint, prompts, read_corpus(dataset.corpus_uri), settings,
+                        eval_id=eval_id, method=method, split=split)
+    log.info("%s seed %d: %d prompts, EM %.3f -> %s", method, settings.seed, len(prompts), em, uri)
     return uri
 
 
@@ -74,16 +68,12 @@ def dev_eval(run: RunLayout, iteration: int | None, policy_dir: str, dataset: Da
     the first `cfg.prompts` prompts of `cfg.split`; writes the eval table `run.dev_eval_uri(iteration)`."""
     uri = run.dev_eval_uri(iteration)
     prompts = split_prompts(dataset, cfg.split, cfg.prompts)
-    documents = [row_to_document(row) for row in read_table("corpus", dataset.corpus_uri).to_pylist()]
-    episodes = EVAL_METHODS.get("agent")(Path(policy_dir), prompts, documents, settings)
     label = "start" if iteration is None else str(iteration)
-    rows = rows_of(episodes, eval_id=f"{run.run_id}-dev-{label}", method="agent", checkpoint=str(policy_dir),
-                   split=cfg.split, seed=settings.seed)
-    write_table("eval", rows, uri)
-    em = sum(e.em for e in episodes) / len(episodes)
+    em = _evaluate_into(uri, "agent", policy_dir, prompts, read_corpus(dataset.corpus_uri), settings,
+                        eval_id=f"{run.run_id}-dev-{label}", method="agent", split=cfg.split)
     stage_logger("dev_eval").info("%s: %s EM %.3f over %d prompts (policy %s)",
                                   "start" if iteration is None else f"iteration {iteration}", cfg.split, em,
-                                  len(episodes), policy_dir)
+                                  len(prompts), policy_dir)
     return uri
 
 

@@ -8,22 +8,31 @@ import json
 from agent_core.config import RewardConfig
 from agent_core.io.layout import RunLayout
 from agent_core.io.tables import read_table, write_table
-from agent_core.rewards.labelling import StepOutcome, label_steps
+from agent_core.rewards.labelling import RewardRecord, StepOutcome, label_steps
 from tasks._common import stage_logger, stage_task
 
 _STEP_FIELDS = [f.name for f in dataclasses.fields(StepOutcome)]
 
 
-@stage_task(name="label_rewards")
-def label_rewards(run: RunLayout, iteration: int, steps_uri: str, prompts_uri: str, cfg: RewardConfig) -> str:
+def label_steps_table(steps_uri: str, answers: dict[str, list[str]], cfg: RewardConfig, run_id: str,
+                      iteration: int, rewards_uri: str) -> list[RewardRecord]:
+    """Label the steps table at `steps_uri` against `answers` (prompt id -> gold answers) and write
+    the rewards table `rewards_uri`; the records, for logging."""
     steps = read_table("steps", steps_uri).select(_STEP_FIELDS).to_pylist()
-    prompts = read_table("prompts", prompts_uri).select(["prompt_id", "ground_truth"]).to_pylist()
-    answers = {row["prompt_id"]: json.loads(row["ground_truth"])["answers"] for row in prompts}
     records = label_steps(
         [StepOutcome(**row) for row in steps], answers, scorer=cfg.scorer, format_weight=cfg.format_weight
     )
-    rows = [{"run_id": run.run_id, "iteration": iteration, **dataclasses.asdict(r)} for r in records]
-    uri = write_table("rewards", rows, run.table_uri(iteration, "rewards"))
+    rows = [{"run_id": run_id, "iteration": iteration, **dataclasses.asdict(r)} for r in records]
+    write_table("rewards", rows, rewards_uri)
+    return records
+
+
+@stage_task(name="label_rewards")
+def label_rewards(run: RunLayout, iteration: int, steps_uri: str, prompts_uri: str, cfg: RewardConfig) -> str:
+    prompts = read_table("prompts", prompts_uri).select(["prompt_id", "ground_truth"]).to_pylist()
+    answers = {row["prompt_id"]: json.loads(row["ground_truth"])["answers"] for row in prompts}
+    uri = run.table_uri(iteration, "rewards")
+    records = label_steps_table(steps_uri, answers, cfg, run.run_id, iteration, uri)
     finals = [r for r in records if r.em is not None]
     stage_logger("label_rewards").info(
         "iteration %d: %d episodes, mean EM %.3f", iteration, len(finals),

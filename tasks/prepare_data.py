@@ -8,10 +8,11 @@ from pathlib import Path
 
 from agent_core.config import DataConfig
 from agent_core.data.loaders import load_qa_splits
-from agent_core.data.rows import document_to_row, prompt_to_row
+from agent_core.data.rows import document_to_row, prompt_to_row, row_to_document, row_to_prompt
 from agent_core.data.synthetic import SyntheticQA, generate_synthetic_qa
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.tables import read_table, table_exists, write_table
+from agent_core.types import Document, Prompt
 from tasks._common import stage_logger, stage_task
 
 
@@ -20,6 +21,21 @@ class DatasetUris:
     dataset_id: str
     prompts_uri: str
     corpus_uri: str
+
+
+def read_corpus(corpus_uri: str) -> list[Document]:
+    """The search corpus of a prepared dataset, in table order."""
+    return [row_to_document(row) for row in read_table("corpus", corpus_uri).to_pylist()]
+
+
+def split_prompts(dataset: DatasetUris, split: str, limit: int | None = None) -> list[Prompt]:
+    """The split's prompts in dataset order, the first `limit` of them if given."""
+    rows = read_table("dataset_prompts", dataset.prompts_uri).to_pylist()
+    chosen = [row for row in rows if row["split"] == split]
+    if not chosen:
+        splits = sorted({row["split"] for row in rows})
+        raise ValueError(f"{dataset.prompts_uri}: no prompts with split {split!r}; splits there: {', '.join(splits)}")
+    return [row_to_prompt(row) for row in chosen[:limit]]
 
 
 def load_dataset(data: DataConfig) -> SyntheticQA:

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from agent_core.config import RolloutConfig
-from agent_core.data.rows import row_to_document, row_to_prompt
+from agent_core.data.rows import row_to_prompt
 from agent_core.envs.registry import EnvResources, make_env
 from agent_core.envs.search import Bm25Index
 from agent_core.envs.tool_env import ChatCapabilities
@@ -19,6 +19,7 @@ from agent_core.rollout.context import ContextPolicy
 from agent_core.rollout.engine import SamplingParams
 from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 from tasks._common import stage_logger, stage_task
+from tasks.prepare_data import read_corpus
 
 
 def _env_of(prompt, cfg: RolloutConfig) -> tuple[str, dict]:
@@ -52,7 +53,7 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
             cfg: RolloutConfig, seed: int) -> str:
     log = stage_logger("rollout")
     prompts = [row_to_prompt(row) for row in read_table("prompts", prompts_uri).to_pylist()]
-    documents = [row_to_document(row) for row in read_table("corpus", corpus_uri).to_pylist()]
+    documents = read_corpus(corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
     engine = ENGINES.get(cfg.engine)(Path(policy_dir), EngineOptions(max_batch_size=cfg.max_batch_size))
     try:

@@ -10,21 +10,17 @@ from pathlib import Path
 
 from agent_core.config import RewardConfig, RolloutConfig, WarmStartConfig
 from agent_core.data.oracle import OracleEngine, rag_demonstrations
-from agent_core.data.rows import row_to_document, row_to_prompt
 from agent_core.io.checkpoints import load_policy, load_tokenizer, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.query import select_episode_ids
 from agent_core.io.tables import read_table, write_table
-from agent_core.rewards.labelling import StepOutcome, label_steps
 from agent_core.training.batches import TrainStep, choose_layout
 from agent_core.training.sft import sft_train
 from agent_core.training.trainer import make_optimizer
 from tasks._common import stage_logger, stage_task
-from tasks.prepare_data import DatasetUris
+from tasks.label_rewards import label_steps_table
+from tasks.prepare_data import DatasetUris, read_corpus, split_prompts
 from tasks.rollout import roll_out
-
-_OUTCOME_FIELDS = [f.name for f in dataclasses.fields(StepOutcome)]
-
 
 @stage_task(name="oracle_episodes")
 def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, rollout: RolloutConfig,
@@ -33,30 +29,26 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     answers `cfg.rag_prompts` others in the naive_rag format (with `top_k` passages), recorded token for token with the
     policy's tokenizer; returns (steps uri, rewards uri)."""
     log = stage_logger("oracle_episodes")
-    rows = [r for r in read_table("dataset_prompts", dataset.prompts_uri).to_pylist() if r["split"] == "train"]
-    chosen = random.Random(f"warm-start:{seed}").sample(rows, min(cfg.prompts, len(rows)))
-    prompts = [row_to_prompt(r) for r in chosen]
-    documents = [row_to_document(r) for r in read_table("corpus", dataset.corpus_uri).to_pylist()]
+    train = split_prompts(dataset, "train")
+    chosen = random.Random(f"warm-start:{seed}").sample(train, min(cfg.prompts, len(train)))
+    prompts = list(chosen)
+    documents = read_corpus(dataset.corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
     tool_format = rollout.env_kwargs.get("tool_format", "tag")
     engine = OracleEngine(tokenizer, prompts, tool_format=tool_format)
     records = roll_out(engine, tokenizer, prompts, documents, rollout, seed=seed, policy_version=0,
                        episode_prefix=f"{run.run_id}-warm-", group_size=1)
-    rag_rows = random.Random(f"warm-start-rag:{seed}").sample(rows, min(cfg.rag_prompts, len(rows)))
-    prompts += [row_to_prompt(r) for r in rag_rows]
-    records += rag_demonstrations(tokenizer, [row_to_prompt(r) for r in rag_rows], documents,
-                                  top_k=top_k,
-                                  episode_prefix=f"{run.run_id}-rag-")
+    rag = random.Random(f"warm-start-rag:{seed}").sample(train, min(cfg.rag_prompts, len(train)))
+    prompts += rag
+    records += rag_demonstrations(tokenizer, rag, documents, top_k=top_k, episode_prefix=f"{run.run_id}-rag-")
     steps = [{"run_id": run.run_id, "iteration": 0, **dataclasses.asdict(r)} for r in records]
     steps_uri = write_table("steps", steps, run.warm_start_dir / "steps.parquet")
     answers = {p.prompt_id: list(p.answers) for p in prompts}  # a prompt in both samples: same answers
-    labelled = label_steps([StepOutcome(**{k: s[k] for k in _OUTCOME_FIELDS}) for s in steps], answers,
-                           scorer=reward.scorer, format_weight=reward.format_weight)
-    rewards_uri = write_table("rewards", [{"run_id": run.run_id, "iteration": 0, **dataclasses.asdict(r)}
-                                          for r in labelled], run.warm_start_dir / "rewards.parquet")
+    rewards_uri = str(run.warm_start_dir / "rewards.parquet")
+    labelled = label_steps_table(steps_uri, answers, reward, run.run_id, 0, rewards_uri)
     finals = [r.em for r in labelled if r.em is not None]
     log.info("warm start: the oracle solved %d of %d episodes (%d tool episodes in the %s format, %d naive_rag "
-             "answers; %d steps)", sum(finals), len(finals), len(chosen), tool_format, len(rag_rows), len(records))
+             "answers; %d steps)", sum(finals), len(finals), len(chosen), tool_format, len(rag), len(records))
     return steps_uri, rewards_uri
 
 
