@@ -44,7 +44,19 @@ class Generation:
 
 
 class Engine(Protocol):
-    """Generates continuations for a batch of tokenized prompts, in order."""
+    """Generates continuations for a batch of tokenized prompts, in order.
+
+    An engine may also define ``max_concurrent_calls: int`` (read with `concurrent_calls`): how
+    many `generate` calls may be in flight at once from different threads. In-process engines
+    compute one batch at a time (1, the default); a server engine (vLLM) batches continuously
+    across calls, so the agent loop sends each ready episode's request without waiting for the
+    batch before it to finish.
+    """
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         ...
+
+
+def concurrent_calls(engine: object) -> int:
+    """How many `generate` calls `engine` accepts at once (1 unless it says otherwise)."""
+    return max(1, int(getattr(engine, "max_concurrent_calls", 1)))
