@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pytest
 
@@ -53,11 +55,12 @@ class ScriptedEngine:
 
 
 def _run(task, engine, *, group_size=2, max_steps=4, max_context=2048, max_new_tokens=16, prompts=2,
-         context=ContextPolicy(), make=None):
+         context=ContextPolicy(), make=None, straggler_wait_s=2.0, seed=None, temperature=1.0):
     dataset, tokenizer, resources = task
     settings = LoopSettings(group_size=group_size, max_steps=max_steps, max_context_tokens=max_context,
-                            policy_version=0, episode_prefix="t-", context=context)
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=eos_token_ids(tokenizer))
+                            policy_version=0, episode_prefix="t-", context=context, straggler_wait_s=straggler_wait_s)
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=eos_token_ids(tokenizer), seed=seed,
+                              temperature=temperature)
     make = make or (lambda p: make_env(p.env_name, p.env_kwargs, resources))
     return run_episodes(engine, tokenizer, dataset.prompts[:prompts], make, sampling, settings)
 
@@ -236,3 +239,185 @@ def test_real_hf_engine_rollout_produces_a_valid_steps_table(task, tmp_path):
     episodes = {s.episode_id for s in steps}
     assert len(episodes) == 2 * 3
     assert sum(s.done for s in steps) == len(episodes)
+
+
+# --- scheduling: concurrent calls, tools during generation, batching, errors, reproducibility ---
+
+
+class TimedEngine:
+    """Answers every request with `action` after `sleep` s; thread-safe, records every call.
+
+    max_concurrent_calls is what the loop may use; max_in_flight is how many calls actually overlapped.
+    on_call(call_number) runs inside each call (to synchronise with a tool, or to raise).
+    """
+
+    def __init__(self, tokenizer, slots: int = 1, sleep: float = 0.0, action: str = "<search>a</search>",
+                 on_call: Callable[[int], None] | None = None):
+        self.max_concurrent_calls = slots
+        self.sleep, self.on_call = sleep, on_call
+        self.ids = tokenizer.encode(action, add_special_tokens=False) + [tokenizer.eos_token_id]
+        self.lock = threading.Lock()
+        self.started = self.in_flight = self.max_in_flight = 0
+        self.calls: list[tuple[float, float, int, int | None]] = []  # (start, end, batch size, seed)
+
+    def generate(self, prompts, params):
+        with self.lock:
+            number, self.started = self.started, self.started + 1
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        start = time.perf_counter()
+        try:
+            time.sleep(self.sleep)
+            if self.on_call is not None:
+                self.on_call(number)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+        with self.lock:
+            self.calls.append((start, time.perf_counter(), len(prompts), params.seed))
+        return [Generation(list(self.ids), [-1.0] * len(self.ids), "stop") for _ in prompts]
+
+
+class _ToolEnv:
+    """Never ends on its own (the step budget ends it); each step runs tool(prompt_id, step number)."""
+
+    observation_role = "user"
+
+    def __init__(self, prompt, tool: Callable[[str, int], None]):
+        self.prompt, self.tool, self.steps = prompt, tool, 0
+
+    def reset(self, prompt):
+        return prompt.messages
+
+    def step(self, action_text):
+        self.tool(self.prompt.prompt_id, self.steps)
+        self.steps += 1
+        return EnvStep(observation="<information>x</information>", reward=0.0, done=False)
+
+
+def _run_tools(task, engine, tool, *, prompts=4, max_steps=3, straggler_wait_s=2.0, seed=None):
+    return _run(task, engine, group_size=1, prompts=prompts, max_steps=max_steps, straggler_wait_s=straggler_wait_s,
+                seed=seed, make=lambda p: _ToolEnv(p, tool))
+
+
+def test_a_concurrent_engine_runs_fast_episodes_to_the_end_while_a_slow_tool_runs(task):
+    prompt_ids = [p.prompt_id for p in task[0].prompts[:4]]
+    slow, max_steps = prompt_ids[0], 3
+    fast_steps = {pid: 0 for pid in prompt_ids[1:]}
+    lock, fast_all_done, slow_saw_them = threading.Lock(), threading.Event(), []
+
+    def tool(prompt_id, step):
+        if prompt_id == slow:
+            if step == 0:  # returns once the fast episodes are done (or after 1.5 s if they wait for it)
+                slow_saw_them.append(fast_all_done.wait(timeout=1.5))
+            return
+        with lock:
+            fast_steps[prompt_id] += 1
+            if all(n == max_steps for n in fast_steps.values()):
+                fast_all_done.set()
+
+    engine = TimedEngine(task[1], slots=4, sleep=0.01)
+    # a large straggler wait: only the engine's concurrency lets the fast episodes go on
+    steps = _run_tools(task, engine, tool, max_steps=max_steps, straggler_wait_s=60.0)
+    # every fast episode had its last action generated and its last tool run while the slow tool was still running
+    assert slow_saw_them == [True]
+    assert len(steps) == 4 * max_steps and {s.termination for s in steps if s.done} == {"max_steps"}
+    assert 1 <= engine.max_in_flight <= 4
+
+
+def test_a_serial_engine_generates_while_tools_run(task):
+    prompt_ids = [p.prompt_id for p in task[0].prompts[:2]]
+    generating, tool_saw_generation = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def on_call(number):
+        if number == 1:  # the fast episode's second action, while the slow episode's first tool runs
+            generating.set()
+            seen["engine"] = tool_saw_generation.wait(timeout=1.0)
+
+    def tool(prompt_id, step):
+        if prompt_id == prompt_ids[0] and step == 0:
+            started = time.perf_counter()
+            seen["tool"] = generating.wait(timeout=1.0)
+            tool_saw_generation.set()
+            seen["tool_interval"] = (started, time.perf_counter())
+
+    engine = TimedEngine(task[1], slots=1, on_call=on_call)
+    steps = _run_tools(task, engine, tool, prompts=2, max_steps=2, straggler_wait_s=0.05)
+    assert seen["tool"] is True and seen["engine"] is True
+    tool_start, tool_end = seen["tool_interval"]
+    call_start, call_end, size, _ = sorted(engine.calls)[1]
+    assert size == 1 and call_start < tool_end and tool_start < call_end  # the two intervals overlap
+    assert engine.max_in_flight == 1  # a serial engine never gets two calls at once
+    assert len(steps) == 2 * 2
+
+
+def test_a_serial_engine_with_fast_tools_gets_every_ready_episode_in_one_call(task):
+    prompt_ids = [p.prompt_id for p in task[0].prompts[:4]]
+    jitter = {pid: 0.01 * i for i, pid in enumerate(prompt_ids)}  # tools come back at different times
+
+    engine = ScriptedEngine(task[1], ["<search>a</search>"])
+    steps = _run_tools(task, engine, lambda pid, step: time.sleep(jitter[pid]), max_steps=4)
+    assert engine.batch_sizes == [4, 4, 4, 4]  # one call per turn, never fragmented by the jitter
+    info = {(s.prompt_id, s.step_idx): json.loads(s.info) for s in steps}
+    for step_idx in range(4):
+        timings = [info[(pid, step_idx)] for pid in prompt_ids]
+        assert all(t["env_seconds"] >= 0 and t["queue_seconds"] >= 0 for t in timings)
+        assert len({t["generate_seconds"] for t in timings}) == 1  # they shared one call
+    # from the second call on, the first tool back waited in the queue for the last one
+    assert info[(prompt_ids[0], 1)]["queue_seconds"] > info[(prompt_ids[3], 1)]["queue_seconds"]
+
+
+@pytest.mark.parametrize("seed", [None, 11])
+def test_each_call_samples_with_its_own_seed(task, seed):
+    engine = TimedEngine(task[1], slots=1)
+    _run_tools(task, engine, lambda pid, step: None, prompts=2, max_steps=3, seed=seed)
+    assert [call[3] for call in engine.calls] == ([None] * 3 if seed is None else [11, 12, 13])
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_an_engine_error_ends_the_rollout_without_waiting_for_running_tools(task, slots):
+    prompt_ids = [p.prompt_id for p in task[0].prompts[:2]]
+    release, tool_done = threading.Event(), threading.Event()
+
+    def on_call(number):
+        if number == 1:
+            raise ConnectionError("engine server died")
+
+    def tool(prompt_id, step):
+        if prompt_id == prompt_ids[0]:
+            release.wait(timeout=2.0)
+            tool_done.set()
+
+    engine = TimedEngine(task[1], slots=slots, on_call=on_call)
+    try:
+        with pytest.raises(ConnectionError, match="engine server died"):
+            _run_tools(task, engine, tool, prompts=2, straggler_wait_s=0.05)
+        assert not tool_done.is_set()  # the error came out while the slow tool was still running
+    finally:
+        release.set()
+
+
+def test_seeded_lock_step_hf_rollout_is_reproducible(task):
+    tokenizer = task[1]
+    model = build_tiny_policy(tokenizer, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    engine = HFEngine(model, tokenizer)
+    batch_sizes: list[int] = []
+
+    class Counting:  # serial, like the HF engine it wraps
+        def generate(self, prompts, params):
+            batch_sizes.append(len(prompts))
+            return engine.generate(prompts, params)
+
+    def roll(seed):
+        steps = _run(task, Counting(), group_size=2, max_steps=2, max_new_tokens=8, seed=seed,
+                     straggler_wait_s=math.inf)
+        return [(s.episode_id, s.step_idx, tuple(s.response_ids)) for s in steps], steps
+
+    first, steps = roll(5)
+    assert batch_sizes[0] == 4 and sum(batch_sizes) == len(steps)
+    # lock-step: each call held every unfinished episode
+    for turn, size in enumerate(batch_sizes):
+        assert size == sum(1 for s in steps if s.step_idx == turn)
+    assert roll(5)[0] == first
+    assert roll(6)[0] != first  # the seed is what made the runs equal

@@ -1,9 +1,26 @@
 """The multi-step agent loop: many episodes against one engine, one step = one LLM call + env answer.
 
-Every episode whose next context is ready goes into the same `engine.generate` call, so the engine
-batches across episodes and turns. Env steps (tool calls) run in a thread pool; the loop waits for
-all of them up to `straggler_wait_s`, then goes on with the episodes that are ready, so one slow
-tool does not hold up the batch (with stragglers, which episodes share a batch depends on timing).
+Scheduling is event-driven, so every unfinished episode's next request is in flight and one slow
+tool or long episode does not stall the others (DESIGN.md §6). Two pools run the work: `generate`
+calls run in a pool of `concurrent_calls(engine)` threads (1 for an in-process engine, N for a
+server engine that batches continuously across calls) and env steps (tool calls) in a pool of
+`env_workers` threads, so tools run while the engine generates. The calling thread waits for
+whichever call or env step finishes first, applies it to its episode, and dispatches: when an
+engine slot is free, all ready episodes go out as one `generate` call if
+  (a) no env step is pending (nothing else could join the call), or
+  (b) the engine has been free with episodes ready for `straggler_wait_s` (a straggler tool does
+      not hold up the others longer than that, counted from when a call could first be sent), or
+  (c) the engine takes concurrent calls (it batches across calls itself, so waiting gains nothing).
+Rules (a) and (b) keep the serial engine's batches large: fast tools come back within
+milliseconds of each other, and without the wait the first episode back would be generated alone
+while the rest queue behind it. With a serial engine and a large `straggler_wait_s` every call
+holds all unfinished episodes (lock-step turns), in episode order, so seeded sampling is
+reproducible run to run; otherwise which episodes share a call depends on timing. Call n (from 0)
+samples with seed `sampling.seed + n`. An exception from `generate` ends the rollout at once
+(queued work is cancelled, running work is not waited for).
+
+Each step's info records `env_seconds` (the env step), `generate_seconds` (the generate call that
+produced its action) and `queue_seconds` (how long the episode waited ready before that call).
 
 Contexts are token ids end to end: the next context is built by `agent_core.rollout.context` from
 the exact ids of the previous context, the sampled action and the rendered observation, never from
@@ -20,26 +37,38 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import traceback
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence
 
 from agent_core.envs.base import AgentEnv, EnvStep
 from agent_core.rollout.chat import encode_conversation, encode_observation_messages, eos_token_ids
 from agent_core.rollout.context import ContextPolicy, EpisodeContext, extends, truncate_text
-from agent_core.rollout.engine import Engine, Generation, SamplingParams
+from agent_core.rollout.engine import Engine, Generation, SamplingParams, concurrent_calls
 from agent_core.rollout.records import StepRecord
 from agent_core.types import ChatMessage, Prompt
 
 log = logging.getLogger(__name__)
 
 TRUNCATIONS = ("max_steps", "max_context")
+PROGRESS_EVERY_S = 2.0  # at most one progress line per this many seconds (concurrent engines make many calls)
 
 
 @dataclass(frozen=True)
 class LoopSettings:
+    """How one rollout runs.
+
+    straggler_wait_s: with a serial engine (one `generate` call at a time), how long a free engine
+        waits for pending env steps (tool calls) before generating for the episodes already ready.
+        Fast tools then share one call; a slow tool delays the others by at most this much per step.
+        Large (float("inf") works) means lock-step turns: every call holds all unfinished episodes,
+        which makes seeded sampling reproducible run to run. Engines that take concurrent calls
+        never wait (module docstring).
+    """
+
     group_size: int
     max_steps: int
     max_context_tokens: int
@@ -47,11 +76,12 @@ class LoopSettings:
     episode_prefix: str = ""  # makes episode ids unique across runs and iterations
     context: ContextPolicy = field(default_factory=ContextPolicy)
     env_workers: int = 8  # threads running env steps (tool calls) concurrently
-    straggler_wait_s: float = 2.0  # how long a batch waits for slow env steps before going on
+    straggler_wait_s: float = 2.0  # see the class docstring
 
 
 @dataclass
 class _Episode:
+    index: int  # position in the rollout: the order of episodes within a generate call
     episode_id: str
     group_id: str
     prompt: Prompt
@@ -61,6 +91,7 @@ class _Episode:
     current_ids: list[int]
     step_idx: int = 0
     records: list[StepRecord] = field(default_factory=list)
+    ready_since: float = 0.0  # perf_counter time its current context became ready to generate from
 
 
 def run_episodes(
@@ -79,33 +110,112 @@ def run_episodes(
                 f"prompt {ep.prompt.prompt_id!r} is {len(ep.current_ids)} tokens; with max_new_tokens="
                 f"{sampling.max_new_tokens} it exceeds max_context_tokens={settings.max_context_tokens}"
             )
-    ready, pending = list(episodes), {}
-    turn, finished = 0, 0
-    with ThreadPoolExecutor(max_workers=settings.env_workers, thread_name_prefix="agentr1-env") as pool:
-        while ready or pending:
-            if ready:
-                seed = None if sampling.seed is None else sampling.seed + turn
-                generations = engine.generate([ep.current_ids for ep in ready], SamplingParams(**{**asdict(sampling), "seed": seed}))
-                for ep, gen in zip(ready, generations):
-                    action_text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-                    pending[pool.submit(_env_step, ep.env, action_text)] = (ep, gen, action_text)
-                ready, turn = [], turn + 1
-            for future in _collect(pending, settings.straggler_wait_s):
-                ep, gen, action_text = pending.pop(future)
-                if _advance(ep, gen, action_text, future.result(), tokenizer, sampling, settings):
-                    ready.append(ep)
-                else:
-                    finished += 1
-            log.info("turn %d: %d/%d episodes finished", turn, finished, len(episodes))
+    _Scheduler(engine, tokenizer, sampling, settings, episodes).run()
     return [record for ep in episodes for record in ep.records]
 
 
-def _collect(pending: dict[Future, tuple], straggler_wait_s: float) -> set[Future]:
-    """Env steps that are done: all of them if they finish within the wait, else at least one."""
-    done, _ = wait(pending, timeout=straggler_wait_s, return_when=ALL_COMPLETED)
-    if not done:
-        done, _ = wait(pending, return_when=FIRST_COMPLETED)
-    return done
+class _Scheduler:
+    """The event loop of one rollout (module docstring).
+
+    Episode state, contexts and the tokenizer are touched only on the calling thread; worker
+    threads run nothing but `engine.generate` and `env.step`, so no episode needs a lock.
+    """
+
+    def __init__(self, engine: Engine, tokenizer, sampling: SamplingParams, settings: LoopSettings,
+                 episodes: list[_Episode]):
+        self.engine, self.tokenizer, self.sampling, self.settings = engine, tokenizer, sampling, settings
+        self.episodes = episodes
+        self.slots = concurrent_calls(engine)
+        self.started = self.slot_free_since = time.perf_counter()
+        for ep in episodes:
+            ep.ready_since = self.started
+        self.ready: list[_Episode] = list(episodes)
+        self.generating: dict[Future, tuple[list[_Episode], list[float]]] = {}  # call -> (episodes, queue seconds)
+        self.stepping: dict[Future, tuple[_Episode, Generation, str, dict]] = {}  # env step -> its episode's step
+        self.calls = self.finished = self.steps = 0
+        self.last_progress = -math.inf
+
+    def run(self) -> None:
+        engine_pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="agentr1-generate")
+        env_pool = ThreadPoolExecutor(max_workers=self.settings.env_workers, thread_name_prefix="agentr1-env")
+        try:
+            while self.ready or self.generating or self.stepping:
+                timeout = self._dispatch(engine_pool)
+                done, _ = wait([*self.generating, *self.stepping], timeout=timeout, return_when=FIRST_COMPLETED)
+                for future in done:
+                    if future in self.generating:
+                        self._on_generated(future, env_pool)
+                    else:
+                        self._on_env_step(future)
+        finally:
+            # normally both pools are idle here; after an error (a dead engine server) queued work is
+            # dropped and running work is not waited for, so the error reaches the caller at once
+            engine_pool.shutdown(wait=False, cancel_futures=True)
+            env_pool.shutdown(wait=False, cancel_futures=True)
+        log.info("rollout done: %d episodes, %d steps, %d generate calls in %.1fs", len(self.episodes),
+                 self.steps, self.calls, time.perf_counter() - self.started)
+
+    def _dispatch(self, engine_pool: ThreadPoolExecutor) -> float | None:
+        """Send the ready episodes as one call if a slot is free and the rules allow (module docstring).
+
+        Returns how long to wait for a finished call or env step before deciding again (None: until one
+        finishes, since nothing but a finished future can change the decision).
+        """
+        if not self.ready or len(self.generating) >= self.slots:
+            return None
+        now = time.perf_counter()
+        if self.slots == 1 and self.stepping:  # (a) does not hold: wait for stragglers, but not past (b)
+            waiting_since = max(self.slot_free_since, min(ep.ready_since for ep in self.ready))
+            deadline = waiting_since + self.settings.straggler_wait_s
+            if now < deadline:
+                return deadline - now if math.isfinite(deadline) else None
+        batch = sorted(self.ready, key=lambda ep: ep.index)  # episode order: a lock-step run repeats exactly
+        self.ready = []
+        seed = None if self.sampling.seed is None else self.sampling.seed + self.calls
+        future = engine_pool.submit(_timed_generate, self.engine, [ep.current_ids for ep in batch],
+                                    replace(self.sampling, seed=seed))
+        self.generating[future] = (batch, [now - ep.ready_since for ep in batch])
+        self.calls += 1
+        return None
+
+    def _on_generated(self, future: Future, env_pool: ThreadPoolExecutor) -> None:
+        """Hand each action of a finished call to its env (raises the engine's error, if any)."""
+        batch, queued = self.generating.pop(future)
+        self.slot_free_since = time.perf_counter()
+        generations, seconds = future.result()
+        for ep, gen, queue_seconds in zip(batch, generations, queued):
+            action_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            timing = {"generate_seconds": round(seconds, 6), "queue_seconds": round(queue_seconds, 6)}
+            self.stepping[env_pool.submit(_env_step, ep.env, action_text)] = (ep, gen, action_text, timing)
+        self._progress(len(batch), seconds)
+
+    def _on_env_step(self, future: Future) -> None:
+        """Record the step; the episode is ready again unless it ended."""
+        ep, gen, action_text, timing = self.stepping.pop(future)
+        outcome = future.result()  # never raises: _env_step turns env errors into an "error" ending
+        outcome.info.update(timing)
+        self.steps += 1
+        if _advance(ep, gen, action_text, outcome, self.tokenizer, self.sampling, self.settings):
+            ep.ready_since = time.perf_counter()
+            self.ready.append(ep)
+        else:
+            self.finished += 1
+
+    def _progress(self, batch_size: int, seconds: float) -> None:
+        now = time.perf_counter()
+        if now - self.last_progress >= PROGRESS_EVERY_S:
+            self.last_progress = now
+            log.info("%d generate calls sent, the last one back had %d episodes (%.2fs); %d/%d episodes finished, "
+                     "%d steps", self.calls, batch_size, seconds, self.finished, len(self.episodes), self.steps)
+
+
+def _timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Generation], float]:
+    """(generations, wall seconds of the call); runs on an engine thread."""
+    started = time.perf_counter()
+    generations = engine.generate(prompts, params)
+    if len(generations) != len(prompts):  # zip would silently drop episodes
+        raise RuntimeError(f"engine returned {len(generations)} generations for {len(prompts)} prompts")
+    return generations, time.perf_counter() - started
 
 
 def _env_step(env: AgentEnv, action_text: str) -> EnvStep:
@@ -131,8 +241,8 @@ def _start_episodes(tokenizer, prompts, make_env, settings: LoopSettings) -> lis
             head = encode_conversation(tokenizer, env.reset(prompt), tools=_template_tools(env))
             group_id = f"{settings.episode_prefix}{prompt.prompt_id}"
             episodes.append(_Episode(
-                episode_id=f"{group_id}-s{sample_idx}", group_id=group_id, prompt=prompt, sample_idx=sample_idx,
-                env=env, context=EpisodeContext(head=head), current_ids=list(head),
+                index=len(episodes), episode_id=f"{group_id}-s{sample_idx}", group_id=group_id, prompt=prompt,
+                sample_idx=sample_idx, env=env, context=EpisodeContext(head=head), current_ids=list(head),
             ))
     return episodes
 
