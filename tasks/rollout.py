@@ -22,6 +22,11 @@ from tasks._common import stage_logger, stage_task
 from tasks.prepare_data import read_corpus
 
 
+def engine_options(cfg: RolloutConfig) -> EngineOptions:
+    return EngineOptions(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_context_tokens,
+                         vllm=cfg.vllm.options())
+
+
 def _env_of(prompt, cfg: RolloutConfig) -> tuple[str, dict]:
     """The config's env replaces the prompt's (and its kwargs); config kwargs refine the prompt's own env."""
     if cfg.env is not None and cfg.env != prompt.env_name:
@@ -55,7 +60,7 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     prompts = [row_to_prompt(row) for row in read_table("prompts", prompts_uri).to_pylist()]
     documents = read_corpus(corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
-    engine = ENGINES.get(cfg.engine)(Path(policy_dir), EngineOptions(max_batch_size=cfg.max_batch_size))
+    engine = ENGINES.get(cfg.engine)(Path(policy_dir), engine_options(cfg))
     try:
         records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
                            policy_version=iteration, episode_prefix=f"{run.run_id}-i{iteration}-")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent_core.envs.registry import EnvResources, make_env
@@ -43,6 +43,7 @@ from agent_core.rollout.chat import (
 )
 from agent_core.rollout.engine import Engine, SamplingParams
 from agent_core.rollout.records import StepRecord
+from agent_core.rollout.vllm_server import VLLMOptions
 from agent_core.types import ChatMessage, Document, Prompt
 
 ANSWER_INSTRUCTION = "Answer with <answer>...</answer>."
@@ -69,6 +70,7 @@ class EvalSettings:
     tool_format: str = "tag"
     engine: str = "hf"
     max_batch_size: int = 64
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
 
     def __post_init__(self) -> None:
         if not self.greedy and self.temperature <= 0:
@@ -198,7 +200,9 @@ def _with_policy(episodes_fn) -> EvalMethod:
 
         factory = ENGINES.get(settings.engine)
         tokenizer = load_tokenizer(Path(policy_dir))
-        engine = factory(Path(policy_dir), EngineOptions(max_batch_size=settings.max_batch_size))
+        options = EngineOptions(max_batch_size=settings.max_batch_size, max_model_len=settings.max_context_tokens,
+                                vllm=settings.vllm)
+        engine = factory(Path(policy_dir), options)
         try:
             return episodes_fn(engine, tokenizer, list(prompts), list(documents), settings)
         finally:

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from agent_core.registry import Registry
 from agent_core.rollout.engine import Engine
+from agent_core.rollout.vllm_server import VLLMOptions
 
 
 @dataclass(frozen=True)
 class EngineOptions:
+    """max_batch_size: sequences per forward pass (per request for vLLM). max_model_len: the longest
+    context + action the engine must hold (vLLM sizes its server by it). vllm: how a vLLM server runs."""
+
     max_batch_size: int = 64
+    max_model_len: int = 2048
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
 
 
 EngineFactory = Callable[[Path, EngineOptions], Engine]
@@ -28,8 +34,26 @@ def _hf_engine(policy_dir: Path, options: EngineOptions) -> Engine:
     return HFEngine(model, tokenizer, max_batch_size=options.max_batch_size)
 
 
+@ENGINES.register("vllm")
+def _vllm_engine(policy_dir: Path, options: EngineOptions) -> Engine:
+    from agent_core.io.checkpoints import load_tokenizer
+    from agent_core.rollout.vllm_engine import VLLMEngine, pooled_server
+
+    server = pooled_server(policy_dir, options.max_model_len, options.vllm)
+    return VLLMEngine(server, load_tokenizer(policy_dir), max_batch_size=options.max_batch_size,
+                      max_concurrent_calls=options.vllm.max_concurrent_calls)
+
+
+def shutdown_engines() -> None:
+    """Stop engine processes kept warm between rollouts (vLLM servers); flows call it when they end."""
+    from agent_core.rollout.vllm_engine import shutdown_servers
+
+    shutdown_servers()
+
+
 def close_engine(engine: Engine) -> None:
-    """Engines that own a process (vLLM) expose close(); in-process ones need nothing."""
+    """Engines that hold resources expose close() (vLLM: its request threads; the server stays
+    pooled until `shutdown_engines`); in-process ones need nothing."""
     close = getattr(engine, "close", None)
     if callable(close):
         close()

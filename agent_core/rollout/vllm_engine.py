@@ -1,0 +1,162 @@
+"""The vLLM engine: token ids in, token ids + log-probs out, through a vLLM server (DESIGN.md §6).
+
+Requests go to `/v1/completions` with prompts as token-id lists and `return_token_ids`, so the
+sampled ids come back as ids (re-tokenizing the returned text gives other ids; ENVIRONMENT.md).
+The server runs with `--logprobs-mode processed_logprobs`, so the recorded log-probs are those
+of the temperature-scaled distribution that was sampled, as the HF engine records them. Two
+differences from the HF engine, both documented on `generate`: with top_p < 1 vLLM's log-probs
+are those of the truncated, renormalised distribution; greedy calls (temperature 0) record vLLM's
+processed log-probs rather than temperature-1 ones.
+
+Servers outlive a rollout: one server per (interpreter, architecture, context length) is kept
+in a process-wide pool, and the next policy checkpoint's weights are loaded into it in place
+(`VLLMServer.reload`), which takes milliseconds instead of a ~35 s restart. `shutdown_servers`
+(also run at interpreter exit) stops them; flows call it when they end.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+
+from agent_core.rollout.chat import eos_token_ids
+from agent_core.rollout.engine import FINISH_REASONS, Generation, SamplingParams
+from agent_core.rollout.hf_engine import _check_request
+from agent_core.rollout.vllm_server import (
+    SERVED_NAME, VLLMOptions, VLLMServer, VLLMServerError, architecture_key, vllm_python,
+)
+
+_POOL: dict[tuple, VLLMServer] = {}
+_POOL_LOCK = threading.Lock()
+
+
+class VLLMEngine:
+    """Engine backed by a pooled vLLM server holding `policy_dir`'s weights.
+
+    `max_concurrent_calls` generate calls may be in flight at once (the server batches them
+    continuously). A seeded call sends one request per prompt, seeded `seed + i`: vLLM applies a
+    request's seed to every prompt in it, which would give a GRPO group identical samples.
+    """
+
+    def __init__(self, server: VLLMServer, tokenizer, *, max_batch_size: int = 64, max_concurrent_calls: int = 8):
+        self.server = server
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_concurrent_calls = max_concurrent_calls
+        self._requests = ThreadPoolExecutor(max_workers=max(4, max_batch_size), thread_name_prefix="vllm-request")
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """One continuation per prompt, in order (see the Engine protocol).
+
+        Log-probs: log_softmax(logits / temperature) at the sampled token with top_p = 1; with
+        top_p < 1 they are taken after vLLM's top-p truncation (the HF engine's are before it);
+        with temperature 0 they are the unscaled ones, as the HF engine records them.
+        """
+        _check_request(prompts, params)
+        if not prompts:
+            return []
+        stop_ids = list(params.stop_token_ids) or list(eos_token_ids(self.tokenizer))
+        # ids outside the vocabulary can never be sampled (the HF engine simply never meets them); vLLM rejects them
+        stop_ids = [t for t in stop_ids if 0 <= t < len(self.tokenizer)]
+        if params.seed is None:
+            chunks = [(list(range(s, min(s + self.max_batch_size, len(prompts)))), None)
+                      for s in range(0, len(prompts), self.max_batch_size)]
+        else:
+            chunks = [([i], params.seed + i) for i in range(len(prompts))]
+        futures = [self._requests.submit(self._complete, [list(prompts[i]) for i in rows], params, stop_ids, seed)
+                   for rows, seed in chunks]
+        results: list[Generation] = []
+        for future in futures:
+            results.extend(future.result())
+        return results
+
+    def _complete(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
+                  seed: int | None) -> list[Generation]:
+        body = {
+            "model": SERVED_NAME, "prompt": prompts, "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "logprobs": 0,
+            "return_token_ids": True, "stop_token_ids": stop_ids, "ignore_eos": True,
+            "skip_special_tokens": False, "min_p": 0.0, "repetition_penalty": 1.0,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        answer = self.server.post("/v1/completions", body)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != len(prompts):
+            raise VLLMServerError(f"vLLM returned {len(choices)} choices for {len(prompts)} prompts")
+        return [_generation(choice, set(stop_ids)) for choice in choices]
+
+    def close(self) -> None:
+        """Release this engine; the server stays in the pool for the next rollout."""
+        self._requests.shutdown(wait=False)
+
+
+def _generation(choice: dict, stop_ids: set[int]) -> Generation:
+    ids = [int(t) for t in choice["token_ids"]]
+    logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
+    if not ids or len(ids) != len(logprobs):
+        raise VLLMServerError(f"vLLM returned {len(ids)} token ids and {len(logprobs)} log-probs for one prompt")
+    # finish_reason "stop" from vLLM also covers stop strings; ours means "ended on a stop token"
+    reason = "stop" if ids[-1] in stop_ids else "length"
+    assert reason in FINISH_REASONS
+    return Generation(ids, logprobs, reason)
+
+
+def pooled_server(policy_dir: Path, max_model_len: int, options: VLLMOptions) -> VLLMServer:
+    """A healthy server holding `policy_dir`'s weights: reused and reloaded in place when possible."""
+    key = (str(vllm_python(options)), architecture_key(policy_dir), max_model_len, options)
+    with _POOL_LOCK:
+        server = _POOL.get(key)
+        if server is not None and (server.process is None or server.process.poll() is not None):
+            print(f"vllm: the server on port {server.port} had died; starting a new one. Its last output:\n"
+                  f"{server.output_tail(10)}")
+            server.stop()
+            del _POOL[key]
+            server = None
+        if server is None:
+            server = VLLMServer(Path(policy_dir), max_model_len, options).start()
+            _POOL[key] = server
+        elif server.loaded_dir != Path(policy_dir):
+            _load_weights(server, Path(policy_dir), key)
+            server = _POOL[key]
+        return server
+
+
+def _load_weights(server: VLLMServer, policy_dir: Path, key: tuple) -> None:
+    if server.options.weight_sync == "reload":
+        try:
+            seconds = server.reload(policy_dir)
+            print(f"vllm: loaded {policy_dir.name} into the running server in {seconds * 1000:.0f} ms")
+            return
+        except (VLLMServerError, httpx.HTTPError) as error:
+            print(f"vllm: in-place reload failed ({error}); restarting the server")
+    started = time.perf_counter()
+    server.stop()
+    fresh = VLLMServer(policy_dir, server.max_model_len, server.options, restarts=server.restarts + 1).start()
+    _POOL[key] = fresh
+    print(f"vllm: restarted the server with {policy_dir.name} in {time.perf_counter() - started:.0f} s")
+
+
+def shutdown_servers() -> None:
+    """Stop every pooled vLLM server (flows call this when they end; also run at exit)."""
+    with _POOL_LOCK:
+        servers = list(_POOL.values())
+        _POOL.clear()
+    for server in servers:
+        server.stop()
+
+
+def server_stats() -> list[dict]:
+    """Per pooled server: port, loaded checkpoint, in-place reloads and restarts (for reports and tests)."""
+    with _POOL_LOCK:
+        return [{"port": s.port, "loaded_dir": str(s.loaded_dir), "reloads": s.reloads, "restarts": s.restarts}
+                for s in _POOL.values()]
+
+
+atexit.register(shutdown_servers)

