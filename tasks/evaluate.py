@@ -116,4 +116,10 @@ def publish_eval_report(eval_id: str, report: EvalReport) -> str:
 
 def settings_params(settings: EvalSettings) -> dict:
     """The settings as flat MLflow params (the seed varies per table and is logged separately)."""
-    return {f"settings.{k}": v for k, v in dataclasses.asdict(settings).items() if k != "seed"}
+    flat = {}
+    for key, value in dataclasses.asdict(settings).items():
+        if isinstance(value, dict):  # vllm options: settings.vllm.<field>
+            flat.update({f"settings.{key}.{k}": v for k, v in value.items()})
+        elif key != "seed":
+            flat[f"settings.{key}"] = value
+    return flat
