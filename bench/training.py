@@ -1,0 +1,190 @@
+"""Training throughput: the project's trainer vs a hand-written torch loop, and packed vs step rows.
+
+Workload: synthetic append-only agent episodes of exactly --steps steps (a prompt, then per step a
+response and an observation, lengths as in the demo's rollouts), trained with PPO-clip by one
+optimizer step per update over all rows (gradient accumulation in micro-batches of
+--micro-batch-tokens padded tokens, the trainer's default), on the demo's tiny policy.
+
+Two ratios, each from arms timed in alternation within this run (update 1 of every arm, then
+update 2 of every arm, ...), so a slowdown of the machine hits all arms alike:
+
+- ``trainer`` = trainer tokens/s / raw loop tokens/s (goal >= 0.9). Trainer: `train_iteration`
+  (agent_core/training/trainer.py) on the packed rows, as `tasks/train.py` calls it (one epoch,
+  one mini-batch). Raw loop: the same model class and initial weights, the SAME micro-batches
+  (built once, before timing), and the least a PPO step needs: logits -> log_softmax -> gather ->
+  clipped ratio loss over action tokens -> backward; after the last micro-batch, grad-norm
+  clipping and an AdamW step. Tokens = real (non-padding) tokens of the rows per update, the same
+  for both. Whatever the trainer does beyond that (building padded tensors from lists, masks,
+  loss normalizers, entropy and KL metrics, float() syncs) is its overhead.
+- ``packed_vs_step`` = wall time of the trainer on the step-row layout / on the packed layout,
+  same episodes, same number of optimizer steps (goal >= 2). Step rows re-encode each step's
+  whole context (T rows of growing length per episode, O(T^2) tokens); packed = one row.
+
+Each arm gets one untimed warm-up update first (allocator, kernels, AdamW state).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from agent_core.training.batches import PaddedBatch, TrainSequence, choose_layout, make_micro_batches
+from agent_core.training.trainer import make_optimizer, train_iteration
+from bench.common import Goal, Measurement, Progress, base_parser, parse_args, write_result
+from bench.workload import POLICY_SIZES, append_only_episodes, fresh_copy, synthetic_task, tiny_policy
+
+NAME = "training"
+TITLE = "Training: trainer vs raw torch loop, packed episodes vs step rows"
+TRAINER_GOAL = Goal("trainer tokens/s / raw torch loop tokens/s (same micro-batches)", ">=", 0.9)
+PACKING_GOAL = Goal("wall time on step rows / wall time on packed episodes (same episodes)", ">=", 2.0)
+LR, CLIP, MAX_GRAD_NORM = 3e-4, 0.2, 1.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    episodes: int
+    steps: int
+    prompt_len: int
+    response_len: int
+    obs_len: int
+    updates: int
+    micro_batch_tokens: int
+    policy: str
+
+
+QUICK = dict(episodes=4, prompt_len=24, response_len=8, obs_len=8, updates=1, policy="quick")
+
+
+def arguments(argv: list[str] | None):
+    parser = base_parser(__doc__)
+    parser.add_argument("--episodes", type=int, default=32, help="episodes per update")
+    parser.add_argument("--steps", type=int, default=4, help="steps per episode (all episodes have exactly this many)")
+    parser.add_argument("--prompt-len", type=int, default=224, help="tokens of the opening prompt (max; min is half)")
+    parser.add_argument("--response-len", type=int, default=48, help="tokens per action (max; min is half)")
+    parser.add_argument("--obs-len", type=int, default=88, help="tokens per observation (max; min is half)")
+    parser.add_argument("--updates", type=int, default=2, help="timed optimizer steps per arm")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="padded tokens per micro-batch")
+    parser.add_argument("--policy", choices=sorted(POLICY_SIZES), default="demo", help="policy size")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the episodes and the initial weights")
+    return parse_args(parser, argv, QUICK)
+
+
+def raw_update(model, optimizer, batches: list[PaddedBatch], action_tokens: float) -> None:
+    """One PPO optimizer step written directly in torch: the floor the trainer is compared to."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    for batch in batches:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        logprobs = logits[:, :-1].log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        mask = batch.action_mask[:, 1:].float()
+        ratio = torch.exp(logprobs - batch.old_logprobs[:, 1:])
+        advantages = batch.advantages[:, 1:]
+        loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - CLIP, 1 + CLIP))
+        ((loss * mask).sum() / action_tokens).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class Arm:
+    """One timed contestant: its own model copy, optimizer, and an update function."""
+
+    def __init__(self, name: str, base_model, rows: list[TrainSequence], pad_id: int, sizes: Sizes, raw: bool):
+        self.name, self.rows, self.pad_id, self.sizes, self.raw = name, rows, pad_id, sizes, raw
+        self.model = fresh_copy(base_model)
+        self.optimizer = make_optimizer(self.model, lr=LR)
+        self.batches = make_micro_batches(rows, max_tokens=sizes.micro_batch_tokens, pad_id=pad_id)
+        self.action_tokens = float(sum(sum(r.action_mask) for r in rows))
+        self.tokens = sum(len(r) for r in rows)
+        self.padded_tokens = sum(b.input_ids.numel() for b in self.batches)
+        self.seconds: list[float] = []
+
+    def update(self, seed: int, rows: list[TrainSequence] | None = None) -> None:
+        if self.raw:
+            batches = self.batches if rows is None else make_micro_batches(
+                rows, max_tokens=self.sizes.micro_batch_tokens, pad_id=self.pad_id)
+            raw_update(self.model, self.optimizer, batches, self.action_tokens)
+        else:
+            train_iteration(self.model, self.optimizer, self.rows if rows is None else rows, pad_id=self.pad_id,
+                            seed=seed, clip_low=CLIP, clip_high=CLIP, max_grad_norm=MAX_GRAD_NORM,
+                            micro_batch_tokens=self.sizes.micro_batch_tokens)
+
+    def timed_update(self, seed: int) -> float:
+        started = time.perf_counter()
+        self.update(seed)
+        self.seconds.append(time.perf_counter() - started)
+        return self.seconds[-1]
+
+    def summary(self) -> dict:
+        total = sum(self.seconds)
+        return {"rows": len(self.rows), "tokens_per_update": self.tokens,
+                "padded_tokens_per_update": self.padded_tokens, "micro_batches": len(self.batches),
+                "seconds": round(total, 3),
+                "seconds_per_update": [round(s, 3) for s in self.seconds],
+                "tokens_per_s": round(self.tokens * len(self.seconds) / total, 1) if total > 0 else math.nan}
+
+
+def run_arms(arms: list[Arm], updates: int, progress: Progress) -> None:
+    for arm in arms:  # warm-up, untimed, on a few rows
+        arm.update(seed=-1, rows=arm.rows[: max(1, len(arm.rows) // 8)])
+    for u in range(updates):
+        for arm in arms:
+            seconds = arm.timed_update(seed=u)
+            progress(f"update {u + 1}/{updates} {arm.name}: {seconds:.2f}s ({arm.tokens} tokens)")
+
+
+def measurements(trainer: Arm, raw: Arm, steps: Arm) -> list[Measurement]:
+    t, r, s = trainer.summary(), raw.summary(), steps.summary()
+    ratio = t["tokens_per_s"] / r["tokens_per_s"]
+    out = [Measurement("trainer", ratio, TRAINER_GOAL, {"trainer": t, "raw_loop": r})]
+    if not TRAINER_GOAL.met(ratio):
+        out[0].why_missed = (f"train_iteration took {t['seconds']:.2f}s vs {r['seconds']:.2f}s for the raw loop on the "
+                             "same micro-batches: the difference is the trainer's bookkeeping (tensor building from "
+                             "lists, masks and normalizers, entropy/KL metrics, float() syncs per micro-batch).")
+    packing = s["seconds"] / t["seconds"]
+    out.append(Measurement("packed_vs_step", packing, PACKING_GOAL, {
+        "packed": t, "step_rows": s, "token_ratio": round(s["tokens_per_update"] / t["tokens_per_update"], 3)}))
+    if not PACKING_GOAL.met(packing):
+        token_ratio = out[1].details["token_ratio"]
+        speed = s["tokens_per_s"] / t["tokens_per_s"]
+        cause = (f"step rows carry only {token_ratio}x the tokens of packed rows (the opening prompt is long "
+                 "relative to what each step adds, or episodes have few steps)") if token_ratio < PACKING_GOAL.value \
+            else (f"step rows carry {token_ratio}x the tokens, but went through at {speed:.2f}x the tokens/s of "
+                  "packed rows: a token costs more in a long row (attention over the whole context, [B, heads, L, L] "
+                  "scores), which on a tiny model is a large share of the compute")
+        out[1].why_missed = f"{cause}; time ratio = token ratio / tokens/s ratio = {token_ratio} / {speed:.2f}."
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
+    progress = Progress(NAME)
+    sizes = Sizes(args.episodes, args.steps, args.prompt_len, args.response_len, args.obs_len, args.updates,
+                  args.micro_batch_tokens, args.policy)
+    torch.manual_seed(args.seed)
+    model, tokenizer = tiny_policy(synthetic_task(args.seed, small=True), POLICY_SIZES[sizes.policy], seed=args.seed)
+    episodes = append_only_episodes(sizes.episodes, steps=sizes.steps, prompt_len=sizes.prompt_len,
+                                    response_len=sizes.response_len, obs_len=sizes.obs_len,
+                                    vocab_size=len(tokenizer), seed=args.seed)
+    packed, step_rows = choose_layout(episodes, "packed"), choose_layout(episodes, "step")
+    pad = tokenizer.pad_token_id
+    arms = [Arm("trainer/packed", model, packed, pad, sizes, raw=False),
+            Arm("raw/packed", model, packed, pad, sizes, raw=True),
+            Arm("trainer/step", model, step_rows, pad, sizes, raw=False)]
+    progress(f"{sizes.episodes} episodes x {sizes.steps} steps: {len(packed)} packed rows ({arms[0].tokens} tokens), "
+             f"{len(step_rows)} step rows ({arms[2].tokens} tokens), policy {sizes.policy} "
+             f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+    run_arms(arms, sizes.updates, progress)
+    write_result(NAME, TITLE, measurements(*arms), seconds=progress.elapsed, config=asdict(sizes),
+                 results_dir=args.results_dir, argv=argv, notes=(
+                     f"torch threads: {torch.get_num_threads()}. Ratios from {sizes.updates} alternating timed "
+                     "updates per arm after one warm-up update."))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
