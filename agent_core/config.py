@@ -206,6 +206,9 @@ class TrainerConfig(_Section):
     entropy_coef: float = 0.0
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=64, description="padded tokens per micro-batch")
+    micro_batch_logits: int = Field(
+        2**26, ge=2**16, description="cap on tokens x vocab per micro-batch (its fp32 logits and their copies bound memory)"
+    )
     loss_agg_mode: str = "token-mean"
     epochs: int = Field(1, ge=1, description="passes over an iteration's data")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")

@@ -81,6 +81,7 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
         value_clip=cfg.value_clip, max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
         temperature=temperature or 1.0, agg_mode=cfg.loss_agg_mode, use_loss_mask=algorithm.use_loss_mask,
         use_advantage_mask=algorithm.use_advantage_mask, recompute_old_logprobs=cfg.recompute_old_logprobs,
+        max_logit_elements=cfg.micro_batch_logits,
     )
     checkpoint = save_policy(model, tokenizer, run.checkpoint_dir(iteration))
     save_optimizer_state(optimizer, run.optimizer_state_path(iteration))

@@ -312,3 +312,13 @@ def test_a_skipped_update_does_not_advance_the_schedule():
     [result] = train_iteration(model, optimizer, empty, scheduler=scheduler, **ITERATION)
     assert result.skipped and result.skip_reason == "no tokens in the loss mask"
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2) and optimizer_step_count(optimizer) == 0
+
+
+def test_micro_batches_are_capped_by_the_size_of_their_logits():
+    from agent_core.training.scoring import vocab_capped_tokens
+
+    assert vocab_capped_tokens(8192, 49152) == 2**26 // 49152 == 1365  # SmolLM2: 256 MiB of fp32 logits
+    assert vocab_capped_tokens(8192, 400) == 8192  # a tiny vocabulary leaves the token budget alone
+    assert vocab_capped_tokens(8192, 10**9) == 64  # never below one reasonable row
+    assert vocab_capped_tokens(4096, 1000, max_logit_elements=1_000_000) == 1000
+    assert vocab_capped_tokens(24, 10**9) == 24  # the cap never raises a smaller budget

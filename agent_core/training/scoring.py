@@ -16,6 +16,22 @@ from agent_core.algos.losses import entropy_from_logits
 from agent_core.training.batches import TrainSequence, pad_sequences, token_budget_groups
 
 
+# Default cap on tokens x vocab of one micro-batch: 2**26 fp32 logits = 256 MiB per copy. A training
+# micro-batch holds several copies (logits, softmax, their gradients): SmolLM2's 49k vocabulary at
+# 8192 tokens per micro-batch peaked at ~18 GB; this cap keeps it to ~1365 tokens.
+MAX_LOGIT_ELEMENTS = 2**26
+
+
+def vocab_capped_tokens(max_tokens: int, vocab_size: int, max_logit_elements: int = MAX_LOGIT_ELEMENTS) -> int:
+    """The micro-batch token budget after capping its [tokens, vocab] logits at max_logit_elements
+    (the cap never goes below 64 tokens; a row longer than the budget gets a micro-batch of its own)."""
+    return min(max_tokens, max(64, max_logit_elements // max(1, vocab_size)))
+
+
+def model_vocab_size(model: torch.nn.Module) -> int:
+    return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+
+
 def _shifted_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     temperature: float) -> torch.Tensor:
     if temperature <= 0:
@@ -93,4 +109,5 @@ def score_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], p
         scores = _shifted_scores(model, ids, mask, temperature)
         return _with_first_position(scores.gather(-1, ids[:, 1:, None]).squeeze(-1) - scores.logsumexp(-1), mask)
 
-    return score_in_micro_batches(sequences, pad_id, max_tokens, score, model)
+    return score_in_micro_batches(sequences, pad_id, vocab_capped_tokens(max_tokens, model_vocab_size(model)), score,
+                                  model)

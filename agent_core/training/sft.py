@@ -26,7 +26,7 @@ import torch
 
 from agent_core.algos.masks import predicted_token_mask
 from agent_core.training.batches import TrainSequence, make_micro_batches
-from agent_core.training.scoring import sequence_logprobs
+from agent_core.training.scoring import model_vocab_size, sequence_logprobs, vocab_capped_tokens
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences
     """One optimizer step of token-mean NLL over the action tokens (or all predicted tokens) of `sequences`."""
     started = time.perf_counter()
     device = next(model.parameters()).device
-    batches = [b.to(device) for b in make_micro_batches(sequences, max_tokens=micro_batch_tokens, pad_id=pad_id)]
+    max_tokens = vocab_capped_tokens(micro_batch_tokens, model_vocab_size(model))
+    batches = [b.to(device) for b in make_micro_batches(sequences, max_tokens=max_tokens, pad_id=pad_id)]
     targets = [(predicted_token_mask(b.attention_mask) if all_tokens else b.action_mask * b.attention_mask).float()
                for b in batches]
     total_tokens = float(sum(t.sum() for t in targets))

@@ -34,7 +34,9 @@ from agent_core.algos.masks import Masks, derive_masks
 from agent_core.training.batches import (
     PaddedBatch, TrainSequence, make_micro_batches,
 )
-from agent_core.training.scoring import score_logprobs, sequence_logprobs  # noqa: F401  (re-exported)
+from agent_core.training.scoring import (  # noqa: F401  (score_logprobs, sequence_logprobs re-exported)
+    MAX_LOGIT_ELEMENTS, model_vocab_size, score_logprobs, sequence_logprobs, vocab_capped_tokens,
+)
 
 
 def make_optimizer(
@@ -343,6 +345,7 @@ def train_iteration(
     use_advantage_mask: bool = True,
     norm_length: float | None = None,
     recompute_old_logprobs: bool = False,
+    max_logit_elements: int = MAX_LOGIT_ELEMENTS,
 ) -> list[UpdateResult]:
     """PPO on one iteration's sequences: `epochs` passes, each over `mini_batches` shuffled mini-batches.
 
@@ -353,8 +356,10 @@ def train_iteration(
     first step (else the rollout's sampling log-probs). The scheduler, if given, steps after
     every policy step that was taken. Fewer sequences than mini_batches (packing shrinks the row
     count) gives one mini-batch per sequence. Returns one UpdateResult per mini-batch, in order.
+    max_logit_elements caps micro_batch_tokens x the policy's vocabulary (see scoring.vocab_capped_tokens).
     """
     _check_iteration_inputs(sequences, critic, critic_optimizer, kl_coef, epochs, mini_batches)
+    micro_batch_tokens = vocab_capped_tokens(micro_batch_tokens, model_vocab_size(policy), max_logit_elements)
     if recompute_old_logprobs:
         fresh = score_logprobs(policy, [s.input_ids for s in sequences], pad_id, micro_batch_tokens, temperature)
         sequences = [replace(s, old_logprobs=logprobs) for s, logprobs in zip(sequences, fresh)]
