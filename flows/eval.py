@@ -19,6 +19,7 @@ from prefect import flow
 from agent_core.config import DataConfig
 from agent_core.eval.methods import EVAL_METHODS, EvalSettings
 from agent_core.io.layout import DataRoot, RunLayout, check_id, new_run_id
+from agent_core.rollout.engines import shutdown_engines
 from tasks.evaluate import evaluate, log_eval, publish_eval_report, settings_params, write_eval_report
 from tasks.prepare_data import DatasetUris, prepare_dataset
 
