@@ -70,8 +70,9 @@ vllm: $(VLLM_STAMP)
 
 # Benchmarks: speed goals as ratios measured within one run -> bench/results/*.json, docs/benchmarks.md.
 # `make bench BENCH_ARGS=--quick` is a smoke run at tiny sizes (results and page in a temporary folder).
+# A full run needs vLLM (rollout), TRL (trl_compare) and SmolLM2 (trl_compare, memory): about an hour on 2 cores.
 BENCH_ARGS ?=
-bench: $(STAMP)
+bench: $(STAMP) vllm trl smollm2
 	$(PY) -m bench.run_all $(BENCH_ARGS)
 
 # TRL, for bench/trl_compare.py (its GRPOTrainer is the baseline), in its own virtualenv too: its

@@ -100,6 +100,7 @@ class VLLMServer:
     reloads: int = 0
     restarts: int = 0
     _output: deque = field(default_factory=lambda: deque(maxlen=200))
+    _first_errors: list = field(default_factory=list)  # the first error lines: a crash's cause, before its echoes
 
     @property
     def base_url(self) -> str:
@@ -118,6 +119,9 @@ class VLLMServer:
         if _on_cpu():
             check_cpu_head_size(self.model_dir)
             command.append("--enforce-eager")  # no graph capture on the CPU backend
+            # A chunked prefill samples and discards a token, then rewinds a seeded request's RNG,
+            # which CPU generators cannot do ("CPU Generator does not use offset" kills the engine)
+            command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 8192))]
         else:
             command += ["--gpu-memory-utilization", str(self.options.gpu_memory_utilization)]
         command += list(self.options.extra_args)
@@ -146,9 +150,14 @@ class VLLMServer:
         assert self.process is not None and self.process.stdout is not None
         for line in self.process.stdout:
             self._output.append(line.rstrip())
+            if ("Error:" in line or "Error(" in line) and len(self._first_errors) < 10:
+                self._first_errors.append(line.rstrip())
 
     def output_tail(self, lines: int = 30) -> str:
-        return "\n".join(list(self._output)[-lines:])
+        """The last `lines` lines, after the first error lines (one crash echoes a traceback per request)."""
+        errors = self._first_errors[:5]
+        head = ["[first error lines]", *errors, "[last lines]"] if errors else []
+        return "\n".join(head + list(self._output)[-lines:])
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
