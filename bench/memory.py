@@ -17,13 +17,15 @@ How it is measured: the larger of
 Ratio = that peak in GiB; goal <= 8. The issue says "8 GB": 8 GiB = 8.59 GB, so the GiB number is
 compared with 8 and both units are in the details.
 
-The peak depends mostly on trainer.micro_batch_tokens (the trainer holds full-vocabulary logits for
-every token of a micro-batch), so one run per value is made: the pipeline's default (key
-"smollm2") and 2048, the value bench.trl_compare uses (key "smollm2-mbt2048"). A run whose process
-tree passes --max-gib (default 16) is killed, to spare the machine, and reported at that value.
-`--quick` runs the tiny from-scratch model once.
+The trainer's settings are the pipeline's defaults. Its peak grows with the tokens of a training
+micro-batch (full-vocabulary logits, log-softmax and their gradients are held for every token:
+SmolLM2's 49k vocabulary x 4 bytes = 192 KiB per token per copy); trainer.micro_batch_logits caps
+tokens x vocab (1365 tokens for SmolLM2 by default). --micro-batch-tokens N overrides
+trainer.micro_batch_tokens (key "smollm2-mbtN"). A run whose process tree passes --max-gib
+(default 16) is killed, to spare the shared machine, and reported at that value.
+`--quick` runs the tiny from-scratch model.
 
-    .venv/bin/python -m bench.memory [--quick] [--engine hf|vllm] [--micro-batch-tokens N ...]
+    .venv/bin/python -m bench.memory [--quick] [--engine hf|vllm] [--micro-batch-tokens N]
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from bench.common import Goal, Measurement, base_parser, parse_args, peak_rss_gi
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "memory"
-QUICK = dict(model="tiny", micro_batch_tokens=[TrainerConfig().micro_batch_tokens])
+QUICK = dict(model="tiny")
 SETTING = "16 prompts x 4 samples x 64 new tokens, single turn (search-QA prompts), GRPO, 1 optimizer step"
 GOAL = Goal("peak RSS of a one-iteration SmolLM2-135M run, GiB", "<=", 8.0)
 POLL_S = 0.1
@@ -80,15 +82,16 @@ def tree_rss_bytes(pid: int) -> int:
     return total
 
 
-def run_child(model: str, engine: str, micro_batch_tokens: int, max_gib: float, root: Path,
+def run_child(model: str, engine: str, micro_batch_tokens: int | None, max_gib: float, root: Path,
               threads: int | None) -> tuple[dict | None, float]:
     """The one-iteration run in a subprocess (its own session, so a kill takes its Prefect server too):
     (its JSON report, or None when it was killed for passing `max_gib`; the sampled tree peak in GiB)."""
     command = [sys.executable, "-m", "bench.memory", "--child", "--model", model, "--engine", engine,
-               "--micro-batch-tokens", str(micro_batch_tokens), "--root", str(root),
-               *(["--threads", str(threads)] if threads else [])]
+               "--root", str(root), *(["--threads", str(threads)] if threads else []),
+               *(["--micro-batch-tokens", str(micro_batch_tokens)] if micro_batch_tokens else [])]
     print(f"bench: one {model} iteration in a subprocess ({engine} engine, trainer.micro_batch_tokens="
-          f"{micro_batch_tokens}), sampling RSS every {POLL_S} s, killed above {max_gib} GiB", flush=True)
+          f"{micro_batch_tokens or 'default'}), sampling RSS every {POLL_S} s, killed above {max_gib} GiB",
+          flush=True)
     process = subprocess.Popen(command, cwd=REPO, start_new_session=True)
     sampled_peak, last_print, killed = 0, time.monotonic(), False
     while process.poll() is None:
@@ -108,7 +111,7 @@ def run_child(model: str, engine: str, micro_batch_tokens: int, max_gib: float, 
     return json.loads((root / REPORT).read_text()), sampled_peak / 2**30
 
 
-def child(model: str, engine: str, micro_batch_tokens: int, root: Path) -> int:
+def child(model: str, engine: str, micro_batch_tokens: int | None, root: Path) -> int:
     """Inside the subprocess: run one iteration, write a JSON report to root/REPORT."""
     from flows.environment import configure_environment
 
@@ -126,7 +129,8 @@ def child(model: str, engine: str, micro_batch_tokens: int, root: Path) -> int:
     return 0
 
 
-def measure(model: str, engine: str, micro_batch_tokens: int, max_gib: float, threads: int | None) -> Measurement:
+def measure(model: str, engine: str, micro_batch_tokens: int | None, max_gib: float,
+            threads: int | None) -> Measurement:
     """One configuration: run it, and the peak as a Measurement."""
     root = Path(tempfile.mkdtemp(prefix="agentr1-memory-"))
     try:
@@ -135,23 +139,23 @@ def measure(model: str, engine: str, micro_batch_tokens: int, max_gib: float, th
         shutil.rmtree(root, ignore_errors=True)
     flow_peak = report["self_peak_rss_gib"] if report else float("nan")
     peak = max(sampled, flow_peak) if report else sampled
-    details = {"model": model, "engine": engine, "micro_batch_tokens": micro_batch_tokens, "peak_gib": peak,
+    trainer = TrainerConfig(**({"micro_batch_tokens": micro_batch_tokens} if micro_batch_tokens else {}))
+    details = {"model": model, "engine": engine, "micro_batch_tokens": trainer.micro_batch_tokens,
+               "micro_batch_logits": trainer.micro_batch_logits, "peak_gib": peak,
                "peak_gb": peak * 2**30 / 1e9, "flow_process_peak_gib": flow_peak, "sampled_tree_peak_gib": sampled,
                "killed_above_gib": None if report else max_gib,
                "run_seconds": report["seconds"] if report else None,
                "stage_seconds": report["stage_seconds"] if report else None, "setting": SETTING}
-    default = micro_batch_tokens == TrainerConfig().micro_batch_tokens
-    key = (model if engine == "hf" else f"{model}-{engine}") + ("" if default else f"-mbt{micro_batch_tokens}")
+    key = (model if engine == "hf" else f"{model}-{engine}") + (f"-mbt{micro_batch_tokens}" if micro_batch_tokens else "")
     goal = GOAL if model == "smollm2" else None
     measurement = Measurement(key=key, ratio=peak, goal=goal, details=details)
     if goal is not None and not goal.met(peak):
         measurement.why_missed = (
-            f"{'killed at' if report is None else 'peak'} {peak:.1f} GiB with trainer.micro_batch_tokens="
-            f"{micro_batch_tokens}: the trainer's forward keeps full-vocabulary logits, their log-softmax and "
-            "the entropy terms for every token of a micro-batch (SmolLM2: 49,152 x 4 bytes = 192 KiB per token "
-            "per tensor), so memory grows ~2 MiB per micro-batch token. Closing it: logits only at action "
-            "positions and a chunked (or fused) log-prob/entropy, or smaller micro-batches (the -mbt2048 "
-            "measurement, at some cost in speed).")
+            f"{'killed at' if report is None else 'peak'} {peak:.1f} GiB (trainer.micro_batch_tokens "
+            f"{trainer.micro_batch_tokens}, micro_batch_logits {trainer.micro_batch_logits}): the trainer's "
+            "forward keeps full-vocabulary logits, their log-softmax and entropy terms for every token of a "
+            "micro-batch (SmolLM2: 192 KiB per token per copy, ~2 MiB per token in all). Closing it: logits only "
+            "at action positions and a chunked or fused log-prob/entropy, or a lower micro_batch_logits.")
     print(f"bench: [{key}] peak RSS {peak:.2f} GiB (flow process {flow_peak:.2f}, sampled tree {sampled:.2f})")
     return measurement
 
@@ -162,28 +166,28 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="smollm2 (default; needs `make smollm2`) or tiny (a from-scratch 1M-parameter Llama)")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                         help="rollout engine; with vllm the server's memory is in the sampled tree peak")
-    parser.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[TrainerConfig().micro_batch_tokens, 2048],
-                        help="trainer.micro_batch_tokens values, one run each (default: the pipeline's default, "
-                             "then 2048, the value bench.trl_compare uses)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="override trainer.micro_batch_tokens (default: the pipeline's default; "
+                             "trainer.micro_batch_logits still caps it)")
     parser.add_argument("--max-gib", type=float, default=16.0,
                         help="kill a run whose process tree passes this many GiB (the machine is shared); "
                              "its peak is then reported as at least this")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: the measured run
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)  # internal: the child's temp root
-    return parse_args(parser, argv, QUICK)  # --quick: the tiny model, default micro-batches (about a minute)
+    return parse_args(parser, argv, QUICK)  # --quick: the tiny model (about a minute)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     if args.child:
-        return child(args.model, args.engine, args.micro_batch_tokens[0], args.root)
+        return child(args.model, args.engine, args.micro_batch_tokens, args.root)
     if args.model == "smollm2":
         from bench.trl_compare import smollm2_dir
 
         smollm2_dir()  # a clear error naming `make smollm2` before any work
     started = time.perf_counter()
-    measurements = [measure(args.model, args.engine, mbt, args.max_gib, args.threads) for mbt in args.micro_batch_tokens]
-    write_result(NAME, "Peak RSS of a one-iteration SmolLM2-135M training run", measurements,
+    measurement = measure(args.model, args.engine, args.micro_batch_tokens, args.max_gib, args.threads)
+    write_result(NAME, "Peak RSS of a one-iteration SmolLM2-135M training run", [measurement],
                  seconds=time.perf_counter() - started, results_dir=args.results_dir, argv=argv,
                  notes="RSS = resident memory; GiB = 2^30 bytes (8 GiB = 8.59 GB). Peak = the larger of the flow "
                        f"process's own getrusage peak (exact) and the process tree's summed RSS sampled every {POLL_S}"

@@ -8,9 +8,10 @@ temperature 1, top_p 1, no top_k, the same learning rate, clip range and grad cl
 - This pipeline: the training flow (flows/train.py) run in this process on a temporary data root,
   with policy.source=path (the same model directory as TRL), rollout.max_steps=1 (single turn: the
   built-in search-QA prompts; an episode ends after its first action), group_size G,
-  max_new_tokens T, GRPO, trainer.epochs=1 and mini_batches=1 (gradient accumulation over
-  micro-batches of 2048 tokens: the default 8192 took ~18 GB with SmolLM2, see bench/memory.py;
-  TRL: 4 micro-batches of P*G/4 completions), no warm start, no dev eval. Each
+  max_new_tokens T, GRPO, trainer.epochs=1 and mini_batches=1 (gradient accumulation over the
+  trainer's default micro-batches: micro_batch_tokens, capped by micro_batch_logits to 1365 tokens
+  for SmolLM2's 49k vocabulary; TRL: 4 micro-batches of P*G/4 completions), no warm start, no dev
+  eval. Each
   stage task the flow calls is wrapped with a timer, so an iteration's wall time (prepare_data
   start to log_iteration end) splits into prepare / rollout / rewards / advantages / train /
   tracking. Everything an iteration does counts: its Parquet tables, loading the policy for the
@@ -75,9 +76,7 @@ class Setting:
     iterations: int = 3
     lr: float = 1e-6  # small, so the policy (and its completion lengths) barely move between iterations
     trl_grad_accum: int = 4  # TRL micro-batches per optimizer step (ours: trainer.micro_batch_tokens)
-    # 2048, not the trainer's default 8192: the trainer holds full-vocabulary logits for every token of
-    # a micro-batch, and with SmolLM2's 49k vocabulary 8192 tokens needed ~18 GB (bench/memory.py)
-    micro_batch_tokens: int = 2048
+    micro_batch_tokens: int | None = None  # trainer.micro_batch_tokens (None: the pipeline's default)
     seed: int = 0
     threads: int | None = None  # torch intra-op threads on both sides (None: torch's default)
 
@@ -128,6 +127,10 @@ def pipeline_config(model_dir: Path, data_root: Path, setting: Setting, engine: 
     """The single-turn GRPO setting as a pipeline config (plain config keys: no library change needed)."""
     from agent_core.config import build_config
 
+    trainer = {"lr": setting.lr, "epochs": 1, "mini_batches": 1, "lr_schedule": "constant", "clip_low": 0.2,
+               "clip_high": 0.2, "max_grad_norm": 1.0, "loss_agg_mode": "token-mean"}
+    if setting.micro_batch_tokens is not None:
+        trainer["micro_batch_tokens"] = setting.micro_batch_tokens
     return build_config({
         "run_id": run_id, "data_root": str(data_root), "iterations": iterations or setting.iterations,
         "seed": setting.seed, "data": {"prompts_per_iteration": setting.prompts},
@@ -136,9 +139,7 @@ def pipeline_config(model_dir: Path, data_root: Path, setting: Setting, engine: 
                     "max_new_tokens": setting.max_new_tokens, "temperature": 1.0, "top_p": 1.0,
                     "max_batch_size": setting.prompts * setting.group_size},
         "algorithm": {"estimator": "grpo", "kl_coef": 0.0},
-        "trainer": {"lr": setting.lr, "epochs": 1, "mini_batches": 1, "lr_schedule": "constant",
-                    "clip_low": 0.2, "clip_high": 0.2, "max_grad_norm": 1.0, "loss_agg_mode": "token-mean",
-                    "micro_batch_tokens": setting.micro_batch_tokens},
+        "trainer": trainer,
         "warm_start": {"enabled": False},
         "dev_eval": {"every": 0},
     }, source="bench.trl_compare")
