@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent_core.rollout.engine import concurrent_calls
-from agent_core.rollout.engines import ENGINES, close_engine
+from agent_core.rollout.engines import ENGINES, close_engine, shutdown_engines
 from bench.common import Goal, Measurement, Progress, base_parser, parse_args, skipped_measurement, write_result
 from bench.workload import (
-    POLICY_SIZES, engine_options, rollout_config, save_policy_dir, shutdown_engines, synthetic_task, tiny_policy,
+    POLICY_SIZES, rollout_config, save_policy_dir, synthetic_task, tiny_policy,
 )
-from tasks.rollout import roll_out
+from tasks.rollout import engine_options, roll_out
 
 NAME = "rollout"
 TITLE = "Rollout: agent loop vs raw engine"

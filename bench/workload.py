@@ -97,26 +97,6 @@ def rollout_config(*, group_size: int, max_steps: int, max_new_tokens: int, engi
                          max_context_tokens=max_context_tokens, max_batch_size=max_batch_size)
 
 
-def engine_options(cfg: RolloutConfig):
-    """The options the rollout stage builds its engine with (tasks.rollout.engine_options where the
-    stage has it: max_batch_size, the model length and vLLM's server settings)."""
-    from agent_core.rollout.engines import EngineOptions
-    from tasks import rollout as stage
-
-    if hasattr(stage, "engine_options"):
-        return stage.engine_options(cfg)
-    return EngineOptions(max_batch_size=cfg.max_batch_size)
-
-
-def shutdown_engines() -> None:
-    """Stop engine processes kept warm between rollouts (vLLM servers), where the registry has them."""
-    from agent_core.rollout import engines
-
-    shutdown = getattr(engines, "shutdown_engines", None)
-    if callable(shutdown):
-        shutdown()
-
-
 def append_only_episodes(count: int, *, steps: int, prompt_len: int, response_len: int, obs_len: int,
                          vocab_size: int, seed: int = 0) -> list[list[TrainStep]]:
     """`count` synthetic append-only episodes of exactly `steps` steps, as the trainer gets them.

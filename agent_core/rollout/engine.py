@@ -57,6 +57,19 @@ class Engine(Protocol):
         ...
 
 
+def check_request(prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+    """Reject what no engine can serve: an empty prompt, a zero budget, a negative temperature, top_p outside (0, 1]."""
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    for index, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
+
+
 def concurrent_calls(engine: object) -> int:
     """How many `generate` calls `engine` accepts at once (1 unless it says otherwise)."""
     return max(1, int(getattr(engine, "max_concurrent_calls", 1)))

@@ -21,7 +21,7 @@ import torch
 from transformers import GenerationConfig
 
 from agent_core.rollout.chat import eos_token_ids
-from agent_core.rollout.engine import Generation, SamplingParams
+from agent_core.rollout.engine import Generation, SamplingParams, check_request
 
 
 class HFEngine:
@@ -46,7 +46,7 @@ class HFEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """One continuation per prompt, in order (see the Engine protocol)."""
-        _check_request(prompts, params)
+        check_request(prompts, params)
         if not prompts:
             return []
         stop_ids = tuple(params.stop_token_ids) or eos_token_ids(self.tokenizer)
@@ -97,18 +97,6 @@ class HFEngine:
         finally:
             self.model.generation_config = model_config
             self.model.train(was_training)
-
-
-def _check_request(prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
-    if params.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    if params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    for index, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,8 +26,7 @@ from typing import Sequence
 import httpx
 
 from agent_core.rollout.chat import eos_token_ids
-from agent_core.rollout.engine import FINISH_REASONS, Generation, SamplingParams
-from agent_core.rollout.hf_engine import _check_request
+from agent_core.rollout.engine import Generation, SamplingParams, check_request
 from agent_core.rollout.vllm_server import (
     SERVED_NAME, VLLMOptions, VLLMServer, VLLMServerError, architecture_key, vllm_python,
 )
@@ -58,7 +57,7 @@ class VLLMEngine:
         top_p < 1 they are taken after vLLM's top-p truncation (the HF engine's are before it);
         with temperature 0 they are the unscaled ones, as the HF engine records them.
         """
-        _check_request(prompts, params)
+        check_request(prompts, params)
         if not prompts:
             return []
         stop_ids = list(params.stop_token_ids) or list(eos_token_ids(self.tokenizer))
@@ -103,9 +102,7 @@ def _generation(choice: dict, stop_ids: set[int]) -> Generation:
     if not ids or len(ids) != len(logprobs):
         raise VLLMServerError(f"vLLM returned {len(ids)} token ids and {len(logprobs)} log-probs for one prompt")
     # finish_reason "stop" from vLLM also covers stop strings; ours means "ended on a stop token"
-    reason = "stop" if ids[-1] in stop_ids else "length"
-    assert reason in FINISH_REASONS
-    return Generation(ids, logprobs, reason)
+    return Generation(ids, logprobs, "stop" if ids[-1] in stop_ids else "length")
 
 
 def pooled_server(policy_dir: Path, max_model_len: int, options: VLLMOptions) -> VLLMServer:
@@ -113,7 +110,7 @@ def pooled_server(policy_dir: Path, max_model_len: int, options: VLLMOptions) ->
     key = (str(vllm_python(options)), architecture_key(policy_dir), max_model_len, options)
     with _POOL_LOCK:
         server = _POOL.get(key)
-        if server is not None and (server.process is None or server.process.poll() is not None):
+        if server is not None and not server.alive:
             print(f"vllm: the server on port {server.port} had died; starting a new one. Its last output:\n"
                   f"{server.output_tail(10)}")
             server.stop()
@@ -123,24 +120,24 @@ def pooled_server(policy_dir: Path, max_model_len: int, options: VLLMOptions) ->
             server = VLLMServer(Path(policy_dir), max_model_len, options).start()
             _POOL[key] = server
         elif server.loaded_dir != Path(policy_dir):
-            _load_weights(server, Path(policy_dir), key)
-            server = _POOL[key]
+            server = _POOL[key] = _load_weights(server, Path(policy_dir))
         return server
 
 
-def _load_weights(server: VLLMServer, policy_dir: Path, key: tuple) -> None:
+def _load_weights(server: VLLMServer, policy_dir: Path) -> VLLMServer:
+    """`server` with `policy_dir`'s weights loaded in place, or a restarted server holding them."""
     if server.options.weight_sync == "reload":
         try:
             seconds = server.reload(policy_dir)
             print(f"vllm: loaded {policy_dir.name} into the running server in {seconds * 1000:.0f} ms")
-            return
+            return server
         except (VLLMServerError, httpx.HTTPError) as error:
             print(f"vllm: in-place reload failed ({error}); restarting the server")
     started = time.perf_counter()
     server.stop()
     fresh = VLLMServer(policy_dir, server.max_model_len, server.options, restarts=server.restarts + 1).start()
-    _POOL[key] = fresh
     print(f"vllm: restarted the server with {policy_dir.name} in {time.perf_counter() - started:.0f} s")
+    return fresh
 
 
 def shutdown_servers() -> None:

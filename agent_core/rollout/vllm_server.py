@@ -179,9 +179,13 @@ class VLLMServer:
             f"(rollout.vllm.startup_timeout_s). Its last output:\n{self.output_tail()}"
         )
 
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def check_alive(self) -> None:
         """Raise VLLMServerError, quoting its output, if the server process has died."""
-        if self.process is None or self.process.poll() is not None:
+        if not self.alive:
             code = None if self.process is None else self.process.returncode
             raise VLLMServerError(
                 f"the vLLM server (port {self.port}) is not running (exit code {code}); it is restarted "
@@ -210,7 +214,7 @@ class VLLMServer:
 
     def stop(self) -> None:
         """SIGTERM the process group (clean in ~2 s), SIGKILL it if it lingers."""
-        if self.process is None or self.process.poll() is not None:
+        if not self.alive:
             return
         for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
             try:
