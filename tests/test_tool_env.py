@@ -145,3 +145,35 @@ def test_registered_tool_env_builds_named_tools_with_kwargs():
     assert "42" in step.observation and "10" in step.observation and all(c.ok for c in step.tool_calls)
     with pytest.raises(ValueError, match="valid tools"):
         make_env("tool_env", {"tools": [{"kwargs": {}}]}, EnvResources())
+
+
+def test_calls_past_the_episode_budget_are_not_run_and_are_recorded():
+    runs: list[str] = []
+
+    class Counting(ToolEnv):  # records what really ran
+        def _run(self, name, arguments):
+            outcome = super()._run(name, arguments)
+            if outcome.error_kind != "over_budget":
+                runs.append(arguments["text"])
+            return outcome
+
+    env = Counting([echo], "hermes", max_tool_calls_per_episode=3, tool_error_penalty=0.5)
+    env.reset(PROMPT)
+    env.step(_call("echo", text="a") + _call("nope", text="b"))  # a failed call counts too
+    step = env.step(_call("echo", text="c") + _call("echo", text="d"))
+    assert runs == ["a", "b", "c"] and not step.done and step.reward == -0.5
+    assert [(c.ok, c.error_kind) for c in step.tool_calls] == [(True, None), (False, "over_budget")]
+    assert step.info["call_errors"] == {"over_budget": 1} and step.parse_error is None
+    assert "tool-call budget (3 calls) is used up" in step.observation and "<answer>" in step.observation
+    env.reset(PROMPT)  # a new episode gets a new budget
+    assert env.step(_call("echo", text="e")).tool_calls[0].ok and runs[-1] == "e"
+
+
+def test_the_episode_budget_is_an_env_kwarg_with_a_default():
+    resources = EnvResources()
+    assert make_env("tool_env", {}, resources).max_tool_calls_per_episode == 16
+    assert make_env("tool_env", {"max_tool_calls_per_episode": None}, resources).max_tool_calls_per_episode is None
+    unlimited = ToolEnv([echo], "hermes", max_tool_calls_per_episode=None)
+    assert all(unlimited.step(_call("echo", text="x")).tool_calls[0].ok for _ in range(40))
+    with pytest.raises(ValueError, match="max_tool_calls_per_episode"):
+        ToolEnv([echo], "hermes", max_tool_calls_per_episode=-1)

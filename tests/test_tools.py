@@ -23,12 +23,14 @@ from agent_core.envs.builtin_tools import (
 )
 from agent_core.envs.registry import EnvResources
 from agent_core.envs.search import Bm25Index
+from agent_core.envs import tools as tools_module
 from agent_core.envs.tools import (
     TOOLS,
     FunctionTool,
     Tool,
     ToolCallOutcome,
     ToolResult,
+    abandoned_calls,
     execute_call,
     function_tool,
     make_tool,
@@ -340,6 +342,32 @@ def test_a_stuck_tool_does_not_block_interpreter_exit():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout.strip()) == (0, "timeout"), done.stderr
+
+
+class Hung(Stuck):
+    name = "hung"  # its own name: the limit on abandoned calls is per tool name
+
+
+def test_abandoned_calls_are_bounded_per_tool_and_further_calls_fail_fast(monkeypatch):
+    monkeypatch.setattr(tools_module, "MAX_ABANDONED_CALLS_PER_TOOL", 2)
+    release = threading.Event()
+    tools = {"hung": Hung(release, timeout_s=None), "echo": Echo()}
+    try:
+        timed_out = [execute_call(tools, "hung", {}, default_timeout_s=0.05).error_kind for _ in range(2)]
+        assert timed_out == ["timeout", "timeout"] and abandoned_calls("hung") == 2
+        started = time.monotonic()
+        refused = execute_call(tools, "hung", {}, default_timeout_s=30, error_reward=-1.0)
+        assert time.monotonic() - started < 1.0  # did not wait out any timeout
+        assert (refused.ok, refused.error_kind, refused.reward) == (False, "unavailable", -1.0)
+        assert "2 earlier calls timed out and are still running" in refused.text
+        assert execute_call(tools, "echo", {"text": "hi"}, default_timeout_s=5).ok  # other tools are unaffected
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while abandoned_calls("hung") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert abandoned_calls("hung") == 0  # finished threads give their slots back
+    assert execute_call(tools, "hung", {}, default_timeout_s=5).text == "finally"
 
 
 def test_long_results_are_truncated_with_a_visible_marker():

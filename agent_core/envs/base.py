@@ -19,7 +19,8 @@ TERMINATIONS = ("answered", "max_steps", "max_context", "error")
 class ToolCall:
     """One call an action made, and how it went (stored in the steps table's tool_calls JSON).
 
-    error_kind: None, or unknown_tool / bad_arguments / exception / timeout."""
+    error_kind: None, or unknown_tool / bad_arguments / exception / timeout / unavailable /
+    over_budget (agent_core.envs.tools.ERROR_KINDS)."""
 
     name: str
     arguments: dict[str, Any]

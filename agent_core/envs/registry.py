@@ -3,6 +3,8 @@
 A factory takes the rollout's shared, read-only resources (built once per rollout, e.g. the search
 index) and the prompt's keyword arguments. `make_env` checks the keyword names against the factory
 before calling it, so a bad key in a dataset or config names the env and the valid keys.
+`check_env_spec` checks the same without building anything (an env may need the corpus), plus the
+tool names and tool format the kwargs name, so bad input fails before a rollout starts.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from agent_core.envs.base import AgentEnv
+from agent_core.envs.formats import FORMATS
 from agent_core.envs.search import Bm25Index
-from agent_core.envs.tool_env import ChatCapabilities, ToolEnv
+from agent_core.envs.tool_env import DEFAULT_MAX_TOOL_CALLS_PER_EPISODE, ChatCapabilities, ToolEnv
 from agent_core.envs.tools import TOOLS, make_tool
 from agent_core.registry import Registry
 
@@ -34,8 +37,10 @@ ENVS: Registry[EnvFactory] = Registry("env")
 @ENVS.register("tool_env")
 def _make_tool_env(resources: EnvResources, *, tools: Sequence[str | Mapping[str, Any]] = ("calculator",),
                    tool_format: str = "hermes", invalid_action_penalty: float = 0.0, tool_error_penalty: float = 0.0,
-                   tool_timeout_s: float = 10.0, max_calls_per_action: int = 4, max_result_chars: int = 4000) -> ToolEnv:
-    """Any registered tools in any format. tools: names, or {"name": ..., "kwargs": {...}} entries."""
+                   tool_timeout_s: float = 10.0, max_calls_per_action: int = 4, max_result_chars: int = 4000,
+                   max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE) -> ToolEnv:
+    """Any registered tools in any format. tools: names, or {"name": ..., "kwargs": {...}} entries.
+    The other kwargs are ToolEnv's (budgets, timeout, result size, penalties)."""
     built = []
     for entry in tools:
         name, kwargs = (entry, {}) if isinstance(entry, str) else (entry.get("name"), dict(entry.get("kwargs", {})))
@@ -44,14 +49,17 @@ def _make_tool_env(resources: EnvResources, *, tools: Sequence[str | Mapping[str
         built.append(make_tool(name, kwargs, resources))
     return ToolEnv(built, tool_format, chat=resources.chat, invalid_action_penalty=invalid_action_penalty,
                    tool_error_penalty=tool_error_penalty, tool_timeout_s=tool_timeout_s,
-                   max_calls_per_action=max_calls_per_action, max_result_chars=max_result_chars)
+                   max_calls_per_action=max_calls_per_action, max_result_chars=max_result_chars,
+                   max_tool_calls_per_episode=max_tool_calls_per_episode)
 
 
 @ENVS.register("search_qa")
 def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str = "tag",
                     invalid_action_penalty: float = 0.0, tool_error_penalty: float = 0.0,
-                    tool_timeout_s: float = 10.0) -> ToolEnv:
-    """Multi-hop QA (Search-R1 / Agent-R1): the `search` tool over the corpus, then `<answer>`."""
+                    tool_timeout_s: float = 10.0, max_result_chars: int = 4000,
+                    max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE) -> ToolEnv:
+    """Multi-hop QA (Search-R1 / Agent-R1): the `search` tool over the corpus, then `<answer>`.
+    The other kwargs are ToolEnv's (budgets, timeout, result size, penalties)."""
     if resources.search_index is None:
         raise ValueError(
             "env 'search_qa' needs a corpus to search: EnvResources.search_index is None "
@@ -59,7 +67,8 @@ def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str
         )
     search = make_tool("search", {"top_k": top_k}, resources)
     return ToolEnv([search], tool_format, chat=resources.chat, invalid_action_penalty=invalid_action_penalty,
-                   tool_error_penalty=tool_error_penalty, tool_timeout_s=tool_timeout_s)
+                   tool_error_penalty=tool_error_penalty, tool_timeout_s=tool_timeout_s,
+                   max_result_chars=max_result_chars, max_tool_calls_per_episode=max_tool_calls_per_episode)
 
 
 def env_kwarg_names(name: str) -> list[str]:
@@ -70,6 +79,47 @@ def env_kwarg_names(name: str) -> list[str]:
 def check_env_kwargs(name: str, kwargs: dict[str, Any]) -> None:
     """Raise TypeError naming the env and the bad keys if `kwargs` has a key env `name` does not take."""
     ENVS.check_kwargs(name, kwargs)
+
+
+def check_env_spec(name: str, kwargs: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the problem unless env `name` is registered, takes every key of
+    `kwargs`, and the tool format and tools those name are registered (with keys their factories
+    take). Values are not checked: that needs the env built. An env whose factory takes `tools`
+    gets them as names or {"name", "kwargs"} entries, the `tool_env` convention."""
+    ENVS.check(name)
+    try:
+        check_env_kwargs(name, dict(kwargs))
+    except TypeError as error:
+        raise ValueError(str(error)) from None
+    if "tool_format" in kwargs:
+        _check_name(FORMATS, kwargs["tool_format"], f"env {name!r}, tool_format")
+    if "tools" in kwargs and "tools" in env_kwarg_names(name):
+        check_tool_entries(kwargs["tools"], f"env {name!r}")
+
+
+def check_tool_entries(entries: Any, where: str) -> None:
+    """Raise ValueError, prefixed with `where` and the entry's index, unless `entries` is a list of
+    registered tool names or {"name": ..., "kwargs": {...}} entries whose keys the tool takes."""
+    if isinstance(entries, (str, Mapping)) or not isinstance(entries, Sequence):
+        raise ValueError(f"{where}: tools must be a list of tool names or {{name, kwargs}} entries, got {entries!r}")
+    for index, entry in enumerate(entries):
+        at = f"{where}, tools[{index}]"
+        name, kwargs = (entry, {}) if isinstance(entry, str) else (None, None)
+        if isinstance(entry, Mapping):
+            name, kwargs = entry.get("name"), entry.get("kwargs", {})
+        if not isinstance(kwargs, Mapping):
+            raise ValueError(f"{at}: expected a tool name or a {{name, kwargs}} entry, got {entry!r}")
+        _check_name(TOOLS, name, at)
+        try:
+            TOOLS.check_kwargs(name, kwargs)
+        except TypeError as error:
+            raise ValueError(f"{at}: {error}") from None
+
+
+def _check_name(registry: Registry, name: Any, where: str) -> None:
+    if not isinstance(name, str) or name not in registry:
+        raise ValueError(f"{where}: unknown {registry.kind} {name!r}; valid {registry.kind} names: "
+                         f"{', '.join(registry.names()) or '(none)'}")
 
 
 def make_env(name: str, kwargs: dict[str, Any], resources: EnvResources) -> AgentEnv:

@@ -6,6 +6,8 @@ by a scorer from `info["answer"]`). Everything the model can get wrong is data, 
 unreadable calls (malformed JSON, empty or over-long calls), unknown tools, arguments that fail the
 tool's schema, a tool that raises or runs past its timeout all come back as an error observation
 the model sees next turn, with a configurable process penalty, and are counted in the step's info.
+Tool use is bounded three ways: calls per action, calls per episode, and time per call (plus the
+size of each result), so neither the policy nor a tool can make one episode run without end.
 
 The env only ever parses the policy's action text. Tool results are rendered as observation
 messages and never parsed, so a result that looks like a tool call or a chat-template tag is never
@@ -27,6 +29,8 @@ from agent_core.envs.base import EnvStep, ToolCall
 from agent_core.envs.formats import build_format
 from agent_core.envs.tools import Tool, ToolCallOutcome, execute_call
 from agent_core.types import ChatMessage, Prompt
+
+DEFAULT_MAX_TOOL_CALLS_PER_EPISODE = 16
 
 
 @dataclass(frozen=True)
@@ -59,12 +63,18 @@ class ToolEnv:
         calls nor an answer. tool_error_penalty: subtracted per call that fails (unknown tool, bad
         arguments, exception, timeout). tool_timeout_s: default per-call time limit.
     max_calls_per_action: calls beyond this are not run and count as an invalid action.
+    max_tool_calls_per_episode: calls the episode may run in all, failed ones included (None: no
+        limit); each call past it is not run and comes back as a failed call (error_kind
+        "over_budget", penalised like other failed calls), so a looping policy cannot make an
+        episode run tools without end. The default, 16, is max_steps x max_calls_per_action at the
+        rollout defaults (4 x 4): it binds only once an episode may take more steps than that.
     max_result_chars: each tool result is cut to this many characters (marked).
     """
 
     def __init__(self, tools: Sequence[Tool], tool_format: str = "tag", *, chat: ChatCapabilities = ChatCapabilities(),
                  invalid_action_penalty: float = 0.0, tool_error_penalty: float = 0.0, tool_timeout_s: float = 10.0,
-                 max_calls_per_action: int = 4, max_result_chars: int = 4000):
+                 max_calls_per_action: int = 4, max_result_chars: int = 4000,
+                 max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE):
         names = [tool.name for tool in tools]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
@@ -74,6 +84,8 @@ class ToolEnv:
                 raise ValueError(f"{name} must be >= 0 (it is subtracted), got {value}")
         if tool_timeout_s <= 0 or max_calls_per_action < 1 or max_result_chars < 1:
             raise ValueError("tool_timeout_s, max_calls_per_action and max_result_chars must be positive")
+        if max_tool_calls_per_episode is not None and max_tool_calls_per_episode < 0:
+            raise ValueError(f"max_tool_calls_per_episode must be >= 0 or None, got {max_tool_calls_per_episode}")
         self.tools = {tool.name: tool for tool in tools}
         self.tool_specs = [tool.spec() for tool in tools]
         self.format = build_format(tool_format, self.tool_specs)
@@ -86,8 +98,11 @@ class ToolEnv:
         self.tool_timeout_s = float(tool_timeout_s)
         self.max_calls_per_action = max_calls_per_action
         self.max_result_chars = max_result_chars
+        self.max_tool_calls_per_episode = max_tool_calls_per_episode
+        self.calls_run = 0  # in this episode, counted against max_tool_calls_per_episode
 
     def reset(self, prompt: Prompt) -> tuple[ChatMessage, ...]:
+        self.calls_run = 0
         if self.tools_for_template is not None:  # the template lists the tools; say how to answer
             return add_instructions(prompt.messages, self.format.answer_instructions)
         return add_instructions(prompt.messages, self.format.system_prompt(self.tool_specs))
@@ -119,6 +134,14 @@ class ToolEnv:
         )
 
     def _run(self, name: str, arguments: Any) -> ToolCallOutcome:
+        budget = self.max_tool_calls_per_episode
+        if budget is not None and self.calls_run >= budget:
+            text = (f"Error: this episode's tool-call budget ({budget} calls) is used up; the call was not run. "
+                    f"{self.format.answer_instructions}")
+            return ToolCallOutcome(name=str(name), arguments=arguments if isinstance(arguments, dict) else {},
+                                   ok=False, text=text, reward=-self.tool_error_penalty, error_kind="over_budget",
+                                   latency_s=0.0, info={"budget": budget})
+        self.calls_run += 1
         return execute_call(self.tools, name, arguments, default_timeout_s=self.tool_timeout_s,
                             error_reward=-self.tool_error_penalty, max_result_chars=self.max_result_chars)
 

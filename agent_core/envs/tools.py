@@ -22,9 +22,15 @@ Two ways to declare a tool:
 `execute_call` turns everything the model or the tool can get wrong (unknown tool, bad arguments,
 an exception, a timeout) into a `ToolCallOutcome` whose text the model sees next turn. Timeouts
 run `execute` in a daemon thread and stop *waiting* for it: a Python thread cannot be killed, so a
-timed-out tool keeps running in the background. Tools doing heavy CPU work or anything unbounded
-must enforce their own limits (the python tool runs code in a subprocess it can kill; the
-calculator bounds expression size and exponents).
+timed-out tool keeps running in the background, while the caller (an env worker of the agent
+loop) is free again at once, so a hung tool never stalls other episodes. Once
+MAX_ABANDONED_CALLS_PER_TOOL such calls of one tool name are left running (a few more if calls were
+already running when the limit was reached), further calls of that tool fail at once
+("unavailable") until some finish, instead of piling up threads. Tools doing
+heavy CPU work or anything unbounded must enforce their own limits (the python tool runs code in a
+subprocess it can kill; the calculator bounds expression size and exponents). In-process tools are
+trusted code: one that calls os._exit or corrupts memory takes the process with it, which is why
+model-written code runs in the sandbox (`agent_core.envs.sandbox`).
 
 Tools are registered by name in `TOOLS` as factories `(resources, **kwargs) -> Tool`. The built-in
 tools (`agent_core.envs.builtin_tools`) are imported at the bottom of this module, so importing
@@ -41,6 +47,7 @@ import threading
 import time
 import traceback
 import typing
+from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
@@ -54,8 +61,11 @@ if typing.TYPE_CHECKING:
     from agent_core.envs.search import Bm25Index
 
 TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
-ERROR_KINDS = ("unknown_tool", "bad_arguments", "exception", "timeout")
-ErrorKind = Literal["unknown_tool", "bad_arguments", "exception", "timeout"]
+# unavailable: too many earlier calls of the tool timed out and still run (MAX_ABANDONED_CALLS_PER_TOOL);
+# over_budget: the episode has used its tool calls (ToolEnv's max_tool_calls_per_episode); neither ran.
+ERROR_KINDS = ("unknown_tool", "bad_arguments", "exception", "timeout", "unavailable", "over_budget")
+ErrorKind = Literal["unknown_tool", "bad_arguments", "exception", "timeout", "unavailable", "over_budget"]
+MAX_ABANDONED_CALLS_PER_TOOL = 8
 
 
 @dataclass(frozen=True)
@@ -130,11 +140,30 @@ def _checked_declaration(tool: Tool) -> Draft202012Validator:
             f"{where}: parameters must be a JSON schema dict with \"type\": \"object\", got {tool.parameters!r}"
         )
     try:
-        Draft202012Validator.check_schema(tool.parameters)
+        _check_schema(tool.parameters)
     except SchemaError as exc:
         path = "/".join(map(str, exc.absolute_path)) or "(root)"
         raise ValueError(f"{where}: parameters is not a valid JSON schema at {path}: {exc.message}") from None
     return Draft202012Validator(tool.parameters)
+
+
+_VALID_SCHEMAS: set[str] = set()  # JSON texts of parameter schemas that passed check_schema
+
+
+def _check_schema(parameters: dict[str, Any]) -> None:
+    """Draft202012Validator.check_schema, once per distinct schema.
+
+    Checking a schema against the metaschema costs ~10 ms, and envs build their tools once per
+    episode: without the memo, building 1,000 episodes' search tools took ~10 s of a rollout.
+    """
+    try:
+        key = json.dumps(parameters, sort_keys=True)
+    except (TypeError, ValueError):  # not JSON (e.g. a set inside): check it every time
+        key = None
+    if key is None or key not in _VALID_SCHEMAS:
+        Draft202012Validator.check_schema(parameters)
+        if key is not None:
+            _VALID_SCHEMAS.add(key)
 
 
 # ---- execute_call: one call, every failure becomes an observation --------------------------------
@@ -245,16 +274,41 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_abandoned_lock = threading.Lock()
+_abandoned: Counter[str] = Counter()  # tool name -> timed-out calls whose thread is still running
+
+
+def abandoned_calls(name: str) -> int:
+    """How many timed-out calls of tool `name` are still running in the background."""
+    with _abandoned_lock:
+        return _abandoned[name]
+
+
 def _run_with_timeout(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> ToolResult:
     # A daemon thread per call (not a shared executor): executor threads are joined at interpreter
-    # exit, so one stuck tool would hang the process; a daemon thread is simply abandoned.
+    # exit, so one stuck tool would hang the process; a daemon thread is simply abandoned. The
+    # caller (an env worker) is free again after timeout_s however long the tool runs, so hung
+    # tools cannot starve the env pool; bounding the abandoned threads per tool keeps a tool that
+    # always hangs from piling up threads without limit (its calls then fail at once).
+    with _abandoned_lock:
+        stuck = _abandoned[tool.name]
+        if stuck >= MAX_ABANDONED_CALLS_PER_TOOL:
+            message = (f"tool {tool.name!r} is unavailable: {stuck} earlier calls timed out and are still "
+                       "running; try another tool or answer")
+            raise _ToolError("unavailable", message, {"abandoned_calls": stuck})
     future: Future = Future()
+    state = {"finished": False, "abandoned": False}
 
     def run() -> None:
         try:
             future.set_result(tool.execute(arguments))
         except BaseException as exc:  # noqa: BLE001 - whatever the tool does, the episode goes on
             future.set_exception(exc)
+        finally:
+            with _abandoned_lock:
+                state["finished"] = True
+                if state["abandoned"]:
+                    _abandoned[tool.name] -= 1
 
     context = contextvars.copy_context()
     threading.Thread(target=context.run, args=(run,), name=f"tool-{tool.name}", daemon=True).start()
@@ -262,11 +316,15 @@ def _run_with_timeout(tool: Tool, arguments: dict[str, Any], timeout_s: float) -
         # exception() rather than result(): a KeyboardInterrupt in *this* thread must propagate.
         exc = future.exception(timeout=None if math.isinf(timeout_s) else timeout_s)
     except FutureTimeoutError:
+        with _abandoned_lock:
+            if not state["finished"]:
+                state["abandoned"] = True
+                _abandoned[tool.name] += 1
         message = f"tool {tool.name!r} timed out after {timeout_s:g} s"
         raise _ToolError("timeout", message, {"timeout_s": timeout_s}) from None
     if exc is not None:
         trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        raise _ToolError("exception", f"{type(exc).__name__}: {exc}", {"traceback": trace})
+        raise _ToolError("exception", f"{type(exc).__name__}: {_exception_text(exc)}", {"traceback": trace})
     result = future.result()
     if isinstance(result, str):
         return ToolResult(text=result)
@@ -274,6 +332,13 @@ def _run_with_timeout(tool: Tool, arguments: dict[str, Any], timeout_s: float) -
         message = f"TypeError: tool {tool.name!r} returned {type(result).__name__}; expected ToolResult or str"
         raise _ToolError("exception", message)
     return result
+
+
+def _exception_text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - a tool's own exception class whose __str__ fails
+        return "(the exception's message could not be read)"
 
 
 def _truncate(text: str, max_chars: int) -> tuple[str, int]:

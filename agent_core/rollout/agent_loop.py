@@ -27,28 +27,32 @@ the exact ids of the previous context, the sampled action and the rendered obser
 re-encoded text (DESIGN.md §6). The ids each call received are recorded as the step's prompt_ids.
 
 Budgets belong to the loop, not to envs: an episode ends when the env says done ("answered"), when
-the env raises ("error"; the exception is recorded in info and the rollout goes on), after
-`max_steps` LLM calls ("max_steps") or when the next context plus one action would not fit in
-`max_context_tokens` ("max_context"). The last two are truncations (the agent was cut off, the
-task did not end) and are recorded with truncated=True.
+the env raises or answers with an unusable EnvStep ("error"; the exception is recorded in info and
+the rollout goes on), after `max_steps` LLM calls ("max_steps") or when the next context plus one
+action would not fit in `max_context_tokens` ("max_context"). The last two are truncations (the
+agent was cut off, the task did not end) and are recorded with truncated=True. Tool-call budgets
+(per action, per episode) and per-call timeouts are the env's: the loop only sees text.
+
+Nothing an env or the model produces escapes as an exception: text is made UTF-8-safe and JSON
+columns storable (`agent_core.rollout.records`) before anything reaches the tokenizer or a table,
+so one bad sample ends at most its own episode, never the rollout (tests/test_fuzz_agent_loop.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Sequence
 
-from agent_core.envs.base import AgentEnv, EnvStep
+from agent_core.envs.base import TERMINATIONS, AgentEnv, EnvStep, ToolCall
 from agent_core.rollout.chat import encode_conversation, encode_observation_messages, eos_token_ids
 from agent_core.rollout.context import ContextPolicy, EpisodeContext, extends, truncate_text
 from agent_core.rollout.engine import Engine, Generation, SamplingParams, concurrent_calls
-from agent_core.rollout.records import StepRecord
+from agent_core.rollout.records import StepRecord, has_surrogates, json_text, utf8_safe
 from agent_core.types import ChatMessage, Prompt
 
 log = logging.getLogger(__name__)
@@ -134,6 +138,8 @@ class _Scheduler:
         self.stepping: dict[Future, tuple[_Episode, Generation, str, dict]] = {}  # env step -> its episode's step
         self.calls = self.finished = self.steps = 0
         self.last_progress = -math.inf
+        # once per rollout: it builds the tokenizer's whole vocabulary dict (~0.1 ms for 400 tokens, more for real ones)
+        self.end_of_turn_ids = frozenset(eos_token_ids(tokenizer))
 
     def run(self) -> None:
         engine_pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="agentr1-generate")
@@ -195,7 +201,7 @@ class _Scheduler:
         outcome = future.result()  # never raises: _env_step turns env errors into an "error" ending
         outcome.info.update(timing)
         self.steps += 1
-        if _advance(ep, gen, action_text, outcome, self.tokenizer, self.sampling, self.settings):
+        if _advance(ep, gen, action_text, outcome, self.tokenizer, self.sampling, self.settings, self.end_of_turn_ids):
             ep.ready_since = time.perf_counter()
             self.ready.append(ep)
         else:
@@ -219,10 +225,11 @@ def _timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingPa
 
 
 def _env_step(env: AgentEnv, action_text: str) -> EnvStep:
-    """The env's answer; an env that raises ends its episode with termination "error"."""
+    """The env's answer; an env that raises, or answers with something the steps table cannot hold,
+    ends its episode with termination "error"."""
     started = time.perf_counter()
     try:
-        outcome = env.step(action_text)
+        outcome = _usable(env.step(action_text))
     except Exception as error:  # an env bug must not take down the other episodes of the rollout
         log.warning("env %s raised %s: %s", type(env).__name__, type(error).__name__, error)
         outcome = EnvStep(
@@ -231,6 +238,32 @@ def _env_step(env: AgentEnv, action_text: str) -> EnvStep:
         )
     outcome.info.setdefault("env_seconds", round(time.perf_counter() - started, 6))
     return outcome
+
+
+def _usable(outcome: EnvStep) -> EnvStep:
+    """`outcome` checked on the env's thread, where a problem ends one episode: found later, on the
+    scheduler's thread or when the steps table is written, it would end the whole rollout.
+
+    Lone surrogates in its text (model-written JSON escapes like "\\ud800" that an env echoes, e.g. an
+    unknown tool's name) become U+FFFD: neither tokenizers nor Parquet take text UTF-8 cannot encode.
+    """
+    if not isinstance(outcome, EnvStep):
+        raise TypeError(f"env.step returned {type(outcome).__name__}, not EnvStep")
+    texts = [outcome.observation, outcome.parse_error or "", *(m.content for m in outcome.observation_messages)]
+    if (not all(isinstance(text, str) for text in texts) or not isinstance(outcome.info, dict)
+            or not all(isinstance(call, ToolCall) for call in outcome.tool_calls)):
+        raise TypeError("EnvStep observation, parse_error and message contents must be str, info a dict "
+                        "and tool_calls ToolCalls")
+    if not math.isfinite(outcome.reward) or (outcome.done and outcome.termination not in TERMINATIONS):
+        raise ValueError(f"EnvStep reward {outcome.reward!r} is not finite, or done with termination "
+                         f"{outcome.termination!r} (valid: {', '.join(TERMINATIONS)})")
+    if not any(map(has_surrogates, texts)):
+        return outcome
+    return replace(
+        outcome, observation=utf8_safe(outcome.observation),
+        parse_error=None if outcome.parse_error is None else utf8_safe(outcome.parse_error),
+        observation_messages=tuple(ChatMessage(m.role, utf8_safe(m.content)) for m in outcome.observation_messages),
+    )
 
 
 def _start_episodes(tokenizer, prompts, make_env, settings: LoopSettings) -> list[_Episode]:
@@ -253,7 +286,7 @@ def _fits(context_ids: list[int], sampling: SamplingParams, settings: LoopSettin
 
 
 def _advance(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, tokenizer,
-             sampling: SamplingParams, settings: LoopSettings) -> bool:
+             sampling: SamplingParams, settings: LoopSettings, end_of_turn_ids: frozenset[int]) -> bool:
     """Apply one generation and the env's answer to its episode; return True if the episode goes on."""
     termination = outcome.termination if outcome.done else None
     messages = _observation_messages(ep.env, outcome, tokenizer, settings)
@@ -261,7 +294,7 @@ def _advance(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, 
     next_ids: list[int] | None = None
     if not outcome.done:
         # a stop token other than end-of-turn (e.g. "</search>") would leave the turn open
-        ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] in eos_token_ids(tokenizer)
+        ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] in end_of_turn_ids
         observation_ids = encode_observation_messages(tokenizer, messages, ended_with_eos, tools=_template_tools(ep.env))
         ep.context.add_turn(gen.token_ids, observation_ids)
         next_ids = ep.context.ids(settings.context)
@@ -309,7 +342,7 @@ def _record(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, o
         response_ids=list(gen.token_ids),
         response_logprobs=list(gen.logprobs),
         response_text=action_text,
-        tool_calls=json.dumps([_call_json(call) for call in outcome.tool_calls], default=str),
+        tool_calls=json_text([_call_json(call) for call in outcome.tool_calls]),
         parse_error=outcome.parse_error,
         observation_text=observation,
         env_reward=float(outcome.reward),
@@ -318,9 +351,10 @@ def _record(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, o
         truncated=termination in TRUNCATIONS,
         finish_reason=gen.finish_reason,
         prefix_shared=prefix_shared,
-        info=json.dumps(outcome.info, default=str),
+        info=json_text(outcome.info),
     )
 
 
 def _call_json(call) -> dict:
-    return asdict(call)
+    """The call's fields, shallow: asdict() would deep-copy model-written arguments, recursively."""
+    return {f.name: getattr(call, f.name) for f in fields(call)}

@@ -1,8 +1,17 @@
-"""One row of the `steps` table as a typed container (one LLM call + the env's answer)."""
+"""One row of the `steps` table as a typed container (one LLM call + the env's answer), and the
+text helpers that make whatever an env returns storable in it."""
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass
+from typing import Any
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+_MAX_JSON_DEPTH = 32
+_MAX_INT_BITS = 8192  # Python refuses to print ints of more than 4300 digits (~14,000 bits)
 
 
 @dataclass(frozen=True)
@@ -39,3 +48,53 @@ class StepRecord:
     finish_reason: str
     prefix_shared: bool
     info: str
+
+
+def has_surrogates(text: str) -> bool:
+    return _SURROGATES.search(text) is not None
+
+
+def utf8_safe(text: str) -> str:
+    """`text` with lone surrogates replaced by U+FFFD.
+
+    Model-written JSON may hold escapes like "\\ud800", which json.loads turns into lone
+    surrogates; tokenizers and Parquet refuse text that UTF-8 cannot encode, so an env echoing
+    them (an unknown tool's name, a parse error naming a key) must not reach either as is.
+    """
+    return _SURROGATES.sub("\ufffd", text)
+
+
+def json_text(value: Any) -> str:
+    """JSON text of `value` for the steps table's JSON columns; never raises.
+
+    Tool calls and info hold what the model and tools produced: NaN, non-string keys, cycles and
+    nesting deeper than the interpreter's stack would make json.dumps raise on the scheduler's
+    thread and end the rollout. Such values are stored converted (see `_jsonable`) instead.
+    """
+    try:
+        text = json.dumps(value, default=str, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        text = json.dumps(_jsonable(value, 0), ensure_ascii=False)
+    return utf8_safe(text)  # surrogates only occur inside string literals, so the JSON stays valid
+
+
+def _jsonable(value: Any, depth: int) -> Any:
+    """`value` as plain JSON: non-finite floats, huge ints and unknown types as strings, keys as
+    strings, containers nested deeper than _MAX_JSON_DEPTH (a cycle, too) as "...", sets as lists."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value if value.bit_length() <= _MAX_INT_BITS else f"<int of {value.bit_length()} bits>"
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (dict, list, tuple, set, frozenset)) and depth >= _MAX_JSON_DEPTH:
+        return "..."
+    if isinstance(value, dict):
+        return {key if isinstance(key, str) else str(_jsonable(key, depth + 1)): _jsonable(item, depth + 1)
+                for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(item, depth + 1) for item in value]
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 - a __str__ that raises
+        return f"<{type(value).__name__}>"
