@@ -142,13 +142,15 @@ class RolloutConfig(_Section):
     @model_validator(mode="after")
     def _env_kwargs_fit_the_env(self) -> "RolloutConfig":
         from agent_core.envs.formats import FORMATS
-        from agent_core.envs.registry import check_env_kwargs
+        from agent_core.envs.registry import check_env_spec, check_tool_entries
 
         if self.env is not None:
             try:
-                check_env_kwargs(self.env, self.env_kwargs)
-            except TypeError as error:  # pydantic reports ValueErrors only
-                raise ValueError(str(error)) from None
+                check_env_spec(self.env, self.env_kwargs)  # keys, tool format and tool names
+            except ValueError as error:
+                raise ValueError(f"rollout.env_kwargs: {error}") from None
+        elif "tools" in self.env_kwargs:  # refines each prompt's env: its tools are still tool names
+            check_tool_entries(self.env_kwargs["tools"], "rollout.env_kwargs")
         if "tool_format" in self.env_kwargs:
             FORMATS.check(self.env_kwargs["tool_format"])
         return self
@@ -223,6 +225,10 @@ class TrainerConfig(_Section):
     )
     critic_lr: float = Field(1e-4, gt=0, description="critic learning rate (gae, step_gae)")
     value_clip: float = Field(0.2, gt=0, description="clip range of the value loss")
+    max_consecutive_nonfinite: int = Field(
+        3, ge=0, description="optimizer steps in a row (counted across iterations) that may be skipped for non-finite "
+        "inputs, log-probs, loss or gradients; one more stops the run before its checkpoint is written (0: the first)"
+    )
 
     @field_validator("loss_agg_mode")
     @classmethod

@@ -82,6 +82,15 @@ def _field(record: dict, key: str, kind: type, where: _Where, default: Any = ...
     return _typed(record[key], kind, where, key)
 
 
+def _text(record: dict, key: str, where: _Where) -> str:
+    """A required string that is not blank: an empty question or gold answer makes a prompt that
+    cannot be asked or rewarded, and would otherwise surface as a silent zero reward."""
+    value = _field(record, key, str, where)
+    if not value.strip():
+        raise where.error(key, "empty")
+    return value
+
+
 def _read_bytes(path: str | Path) -> tuple[Path, bytes]:
     path = Path(path)
     if not path.is_file():
@@ -199,9 +208,9 @@ def _supporting_facts(record: dict, where: _Where) -> list[list]:
 
 def _wiki_prompt(name: str, record: dict, where: _Where, corpus: dict[str, Document], settings: dict,
                  optional_keys: tuple[str, ...]) -> tuple[str, Prompt]:
-    source_id = _field(record, "_id", str, where)
-    question = _field(record, "question", str, where)
-    answer = _field(record, "answer", str, where)
+    source_id = _text(record, "_id", where)
+    question = _text(record, "question", where)
+    answer = _text(record, "answer", where)
     facts = _supporting_facts(record, where)
     doc_of_title = _wiki_context(record, where, corpus)
     titles = list(dict.fromkeys(title for title, _ in facts))
@@ -297,9 +306,9 @@ def _decomposition(record: dict, where: _Where) -> list[dict]:
 
 
 def _musique_prompt(record: dict, where: _Where, corpus: dict[str, Document], settings: dict) -> tuple[str, Prompt]:
-    source_id = _field(record, "id", str, where)
-    question = _field(record, "question", str, where)
-    answer = _field(record, "answer", str, where)
+    source_id = _text(record, "id", where)
+    question = _text(record, "question", where)
+    answer = _text(record, "answer", where)
     aliases = [_typed(a, str, where, "answer_aliases") for a in _field(record, "answer_aliases", list, where, [])]
     answerable = _field(record, "answerable", bool, where, True)
     steps = _decomposition(record, where)

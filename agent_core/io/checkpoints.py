@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from agent_core.failpoints import failpoint
+
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model.bin", "pytorch_model-*.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _GGUF_PIN = "gguf==0.19.0"
@@ -40,6 +42,7 @@ def save_policy(model, tokenizer, directory: Path) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        failpoint("save_policy:staged")
         swap_into_place(staging, directory)
     finally:
         if staging.exists():
@@ -72,7 +75,9 @@ def load_tokenizer(directory: Path):
 
 
 def check_checkpoint(directory: Path) -> Path:
-    """Raise CheckpointError unless `directory` holds a config, weights and a tokenizer."""
+    """Raise CheckpointError, naming the directory and every missing part, unless it holds a config,
+    weights and a tokenizer. Cheap (no loading): stages call it first, so a half-copied checkpoint
+    fails before a tokenizer is loaded, an engine starts or anything is written."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
@@ -80,11 +85,11 @@ def check_checkpoint(directory: Path) -> Path:
     if not (directory / "config.json").is_file():
         missing.append("config.json")
     if not any(any(directory.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
-        missing.append("weights (*.safetensors or pytorch_model.bin)")
+        missing.append(f"weights (one of {', '.join(_WEIGHT_PATTERNS)})")
     if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        missing.append(f"a tokenizer (one of {', '.join(_TOKENIZER_FILES)})")
+        missing.append(f"tokenizer (one of {', '.join(_TOKENIZER_FILES)})")
     if missing:
-        raise CheckpointError(f"checkpoint directory {directory} has no {'; no '.join(missing)}")
+        raise CheckpointError(f"checkpoint directory {directory} is missing {'; '.join(missing)}")
     return directory
 
 
@@ -171,6 +176,7 @@ def swap_into_place(staging: Path, directory: Path) -> None:
         raise CheckpointError(f"cannot write a checkpoint to {directory}: it exists and is not a directory")
     retired = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
     directory.rename(retired)
+    failpoint("checkpoint:old_moved_aside")
     try:
         staging.rename(directory)
     except BaseException:

@@ -6,7 +6,8 @@ target folder (`.<name>.<random>.tmp`: a leading dot and no `.parquet` ending, s
 `*.parquet` glob nor a `*/steps.parquet` one ever matches it), flushed and fsynced, then renamed
 over the target with `os.replace`, which is atomic on one filesystem: a reader sees the old
 table or the new one, never half of either. Reads check the table again, so a file edited or
-written by other code cannot feed a stage bad rows.
+written by other code cannot feed a stage bad rows. A stage writing several tables uses
+`write_tables`, which checks them all before writing any.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import schemas
+from agent_core.failpoints import failpoint
 
 COMPRESSION = "zstd"
 
@@ -31,6 +33,7 @@ class TableReadError(ValueError):
 
     def __init__(self, table_name: str, path: str, reason: str):
         self.table_name, self.path = table_name, path
+        reason = " ".join(reason.split())  # Arrow's reasons span lines; keep the error to one
         super().__init__(f"cannot read {table_name} table at {path}: {reason}")
 
 
@@ -40,10 +43,27 @@ def write_table(table_name: str, data: pa.Table | Iterable[Mapping[str, Any]], u
     data: an Arrow table, or rows (dicts keyed by column name), converted with the table's schema.
     A validation failure raises `schemas.TableValidationError` and writes nothing.
     """
-    path = _local_path(uri)
+    path = _local_path(uri)  # a remote uri fails before the data is looked at
+    _write_checked(_checked(table_name, data), path)
+    return str(uri)
+
+
+def write_tables(*tables: tuple[str, pa.Table | Iterable[Mapping[str, Any]], str | os.PathLike]) -> list[str]:
+    """Write several (table_name, data, uri) tables, all validated before the first is written: a
+    stage whose second table is bad must not leave its first behind. Returns the uris."""
+    checked = [(_checked(name, data), _local_path(uri)) for name, data, uri in tables]
+    for table, path in checked:
+        _write_checked(table, path)
+    return [str(uri) for _, _, uri in tables]
+
+
+def _checked(table_name: str, data: pa.Table | Iterable[Mapping[str, Any]]) -> pa.Table:
     if not isinstance(data, pa.Table):
         data = schemas.table_from_rows(table_name, data)
-    table = schemas.validate(table_name, data)
+    return schemas.validate(table_name, data)
+
+
+def _write_checked(table: pa.Table, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -51,12 +71,13 @@ def write_table(table_name: str, data: pa.Table | Iterable[Mapping[str, Any]], u
             pq.write_table(table, sink, compression=COMPRESSION)
             sink.flush()
             os.fsync(sink.fileno())
+        failpoint(f"write_table:{path.name}:temp_written")
         os.replace(temp_name, path)
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
         raise
     _fsync_directory(path.parent)
-    return str(uri)
+    failpoint(f"write_table:{path.name}:published")
 
 
 def read_table(table_name: str, uri: str | os.PathLike) -> pa.Table:
