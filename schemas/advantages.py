@@ -8,7 +8,9 @@ the step's observation is part of the episode grid; null otherwise.
 
 Here only the table's own lengths can be checked (advantages, returns, values, ref_logprobs
 agree); that they match the step's response_ids is a join of two tables, which the stage that
-joins them checks. Row id in errors: `<episode_id>/<step_idx>`.
+joins them checks. Every float list must be finite: a nan/inf here would reach the trainer's loss
+(which would only skip the update) instead of failing at the stage that made it.
+Row id in errors: `<episode_id>/<step_idx>`.
 """
 
 import pyarrow as pa
@@ -64,6 +66,8 @@ class AdvantagesModel(ArrowModel):
     _obs_values_match = row_check(
         "obs_values", "same length as obs_advantages", same_list_length("obs_values", "obs_advantages")
     )
+    _obs_returns_finite = row_check("obs_returns", "finite", list_items_finite("obs_returns"))
+    _obs_values_finite = row_check("obs_values", "finite", list_items_finite("obs_values"))
 
 
 ARROW_SCHEMA = arrow_schema_of(AdvantagesModel)

@@ -225,6 +225,8 @@ ADVANTAGES_CASES = [
     (_set(obs_advantages=[0.1, math.inf, 0.0]), 3, "obs_advantages", "finite", "ep-1/0"),
     (_set(obs_returns=[1.0]), 3, "obs_returns", "same length as obs_advantages", "ep-1/0"),
     (_set(obs_values=[1.0]), 4, "obs_values", "same length as obs_advantages", "ep-1/1"),
+    (_set(obs_returns=[1.0, 1.0, math.nan]), 3, "obs_returns", "finite", "ep-1/0"),
+    (_set(obs_values=[0.0, -math.inf, 0.0]), 4, "obs_values", "finite", "ep-1/1"),
 ]
 TRAIN_METRICS_CASES = [
     (_set(loss=math.nan), 0, "loss", "finite unless skipped", "r1/0/0"),

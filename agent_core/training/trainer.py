@@ -3,9 +3,11 @@
 ``ppo_update`` makes exactly one optimizer step per call: the sequences are split into
 micro-batches (gradient accumulation sized by tokens) whose losses use normalizers counted over
 ALL sequences of the step, so the accumulated gradient equals that of one big batch. A
-non-finite loss or gradient norm skips the step and says why. ``train_iteration`` runs `epochs`
-passes of `mini_batches` such steps, with an optional KL-to-reference loss term, an optional
-critic (its own optimizer and clipped value loss) and an optional LR scheduler.
+non-finite input (old/reference log-probs, advantages, returns), model output (log-probs,
+values), loss or gradient norm skips the step and says which (agent_core.training.safety).
+``train_iteration`` runs `epochs` passes of `mini_batches` such steps, with an optional
+KL-to-reference loss term, an optional critic (its own optimizer and clipped value loss) and an
+optional LR scheduler.
 
 Where this differs from verl-style trainers: by default the "old" log-probs are the engine's
 sampling log-probs, which exist only on action tokens. With the loss mask off (the ablation),
@@ -27,12 +29,16 @@ from typing import Sequence
 import torch
 
 from agent_core.algos.kl import kl_penalty
+from agent_core.failpoints import failpoint
 from agent_core.algos.losses import (
     aggregate_loss, clipped_value_loss, masked_sum, ppo_clip_loss,
 )
 from agent_core.algos.masks import Masks, derive_masks
 from agent_core.training.batches import (
     PaddedBatch, TrainSequence, make_micro_batches,
+)
+from agent_core.training.safety import (
+    CRITIC_INPUTS, POLICY_INPUTS, SkipUpdate, check_finite_output, nonfinite_inputs,
 )
 from agent_core.training.scoring import (  # noqa: F401  (score_logprobs, sequence_logprobs re-exported)
     MAX_LOGIT_ELEMENTS, model_vocab_size, score_logprobs, sequence_logprobs, vocab_capped_tokens,
@@ -147,6 +153,7 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: _Prepared
     """Forward + backward of one policy micro-batch; adds its metrics to totals, returns its loss."""
     logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=s.temperature,
                                           entropy_grad=s.entropy_coef != 0)
+    check_finite_output(logprobs, batch.attention_mask, "log-probs")
     old_logprobs = batch.old_logprobs
     if not s.old_logprobs_everywhere:  # loss tokens the engine did not sample: ratio 1 (module docstring)
         old_logprobs = torch.where((masks.loss_mask > 0) & (batch.action_mask == 0), logprobs.detach(), old_logprobs)
@@ -181,6 +188,7 @@ def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: _Prepare
                         totals: _Totals) -> torch.Tensor:
     """Forward + backward of the clipped value loss on the advantage-mask tokens (they have returns)."""
     values = critic.values(batch.input_ids, batch.attention_mask)
+    check_finite_output(values, batch.attention_mask, "values")
     out = clipped_value_loss(values, batch.old_values, batch.returns, masks.advantage_mask, clip_range=s.value_clip,
                              agg_mode=s.agg_mode, **prep.value_norms.scale())
     loss = s.vf_coef * out.loss
@@ -189,28 +197,39 @@ def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: _Prepare
     return loss.detach()
 
 
-def _accumulate_and_step(module, optimizer, prep: _Prepared, micro_step, max_grad_norm) -> tuple[float, str | None]:
+def _micro_batches_skip_reason(prep: _Prepared, micro_step) -> str | None:
+    """Forward + backward of every micro-batch; why the step must be skipped, or None."""
+    for batch, masks in zip(prep.batches, prep.masks):
+        try:
+            batch_loss = micro_step(batch, masks)
+        except SkipUpdate as skip:
+            return str(skip)
+        if not torch.isfinite(batch_loss):
+            return f"non-finite loss ({float(batch_loss)}) in a micro-batch"
+    return None
+
+
+def _accumulate_and_step(module, optimizer, prep: _Prepared, micro_step, max_grad_norm,
+                         inputs: tuple[str, ...]) -> tuple[float, str | None]:
     """Run micro_step over every micro-batch (accumulating gradients), clip, and step unless not finite.
 
-    Returns (grad norm, skip reason or None). Gradients are cleared either way; the module gets
-    its previous train/eval mode back.
+    inputs: the batch tensors this module's loss reads; any nan/inf there skips the step before a
+    forward pass. Returns (grad norm, skip reason or None). Gradients are cleared either way; the
+    module gets its previous train/eval mode back.
     """
     was_training = module.training
     module.train()
     optimizer.zero_grad(set_to_none=True)
-    grad_norm, skip_reason = math.nan, None
+    grad_norm = math.nan
     try:
-        for batch, masks in zip(prep.batches, prep.masks):
-            batch_loss = micro_step(batch, masks)
-            if not torch.isfinite(batch_loss):
-                skip_reason = f"non-finite loss ({float(batch_loss)}) in a micro-batch"
-                break
+        skip_reason = nonfinite_inputs(prep.batches, inputs) or _micro_batches_skip_reason(prep, micro_step)
         if skip_reason is None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             limit = math.inf if max_grad_norm is None else max_grad_norm
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
             if math.isfinite(grad_norm):
                 optimizer.step()
+                failpoint("train:optimizer_step")  # a crash between updates of one iteration
             else:
                 skip_reason = f"non-finite gradient norm ({grad_norm})"
         optimizer.zero_grad(set_to_none=True)
@@ -233,7 +252,8 @@ def _update(policy, optimizer, sequences, s: _LossSettings, *, critic, critic_op
     totals, grad_norm, reasons = _Totals(), math.nan, []
     if prep.policy_norms.num_tokens > 0:
         grad_norm, reason = _accumulate_and_step(
-            policy, optimizer, prep, lambda b, m: _policy_micro_batch(policy, b, m, prep, s, totals), max_grad_norm)
+            policy, optimizer, prep, lambda b, m: _policy_micro_batch(policy, b, m, prep, s, totals), max_grad_norm,
+            POLICY_INPUTS)
         policy_skipped = reason is not None
         reasons += [reason] if reason else []
     else:
@@ -243,7 +263,7 @@ def _update(policy, optimizer, sequences, s: _LossSettings, *, critic, critic_op
     if critic is not None and prep.value_norms.num_tokens > 0:
         _, reason = _accumulate_and_step(
             critic, critic_optimizer, prep, lambda b, m: _critic_micro_batch(critic, b, m, prep, s, totals),
-            max_grad_norm)
+            max_grad_norm, CRITIC_INPUTS)
         vf_loss = math.nan if reason else totals.vf_loss
         reasons += [f"critic: {reason}"] if reason else []
     seconds = time.perf_counter() - started
