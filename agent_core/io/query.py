@@ -15,6 +15,8 @@ hive_partitioning=true)`:
   so the table's own columns are the ones shown, with their Parquet types.
 - Files are listed in Python, and any path with a component starting with '.' is skipped: writers
   write `.<name>.tmp` and rename it into place, and DuckDB's `*` matches hidden names.
+- Each query reads a snapshot: hard links to the files it lists, made when it starts, so a table
+  replaced while the query runs is read whole, old or new, never mixed (`open_catalog`).
 - A table with no file yet is an empty view with the columns of its schema
   (`schemas.TABLES[name].arrow_schema`), so a query never fails only because a stage has not run.
   A table with neither files nor a schema gets no view (the error lists the views that exist).
@@ -25,6 +27,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -110,16 +114,35 @@ def _create_view(con: duckdb.DuckDBPyConnection, name: str, files: list[Path]) -
         con.register(name, schema.empty_table())
 
 
-def open_catalog(data_root: Path) -> duckdb.DuckDBPyConnection:
+def open_catalog(data_root: Path, snapshot_dir: Path | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with one view per table of `data_root` (see module doc).
 
-    The file lists are taken now: open a new catalog to see tables written later.
+    The file lists are taken now: open a new catalog to see tables written later. With
+    `snapshot_dir` (an empty folder on the data root's filesystem), the views read hard links made
+    there now instead of the tables' paths: a writer replacing a table (a resumed or rerun stage)
+    renames a new file over the path, which DuckDB, opening a file more than once per query, would
+    otherwise mix with the old one ("Invalid data"); a link keeps the old file whole until it goes.
     """
     con = duckdb.connect(":memory:")
     tables = {**run_table_files(data_root), **dataset_table_files(data_root), **eval_table_files(data_root)}
     for name, files in tables.items():
-        _create_view(con, name, files)
+        _create_view(con, name, _linked(files, snapshot_dir / name) if snapshot_dir else files)
     return con
+
+
+def _linked(files: list[Path], folder: Path) -> list[Path]:
+    """Hard links to `files` in `folder`; the original paths where linking is refused (e.g. another
+    filesystem), which only loses the isolation, not the query."""
+    folder.mkdir(parents=True, exist_ok=True)
+    linked = []
+    for i, path in enumerate(files):
+        link = folder / f"{i}.parquet"
+        try:
+            os.link(path, link)
+            linked.append(link)
+        except OSError:
+            linked.append(path)
+    return linked
 
 
 def catalog_views(con: duckdb.DuckDBPyConnection) -> list[str]:
@@ -133,14 +156,28 @@ def run_query(data_root: Path, sql: str) -> pa.Table:
 
     A statement with no result (e.g. `SET ...`) returns an empty table with no columns.
     """
-    con = open_catalog(data_root)
+    snapshot_dir = _snapshot_folder(Path(data_root))
     try:
-        relation = con.sql(sql)
-        return pa.table({}) if relation is None else relation.to_arrow_table()
-    except duckdb.Error as error:
-        raise QueryError(str(error), catalog_views(con)) from None
+        con = open_catalog(data_root, snapshot_dir)
+        try:
+            relation = con.sql(sql)
+            return pa.table({}) if relation is None else relation.to_arrow_table()
+        except duckdb.Error as error:
+            raise QueryError(str(error), catalog_views(con)) from None
+        finally:
+            con.close()
     finally:
-        con.close()
+        if snapshot_dir is not None:
+            shutil.rmtree(snapshot_dir, ignore_errors=True)
+
+
+def _snapshot_folder(data_root: Path) -> Path | None:
+    """A private hidden folder under the data root (hidden: no listing ever reads it), None if the
+    root cannot be written (a read-only share: queries then read the paths directly)."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=".query-", dir=data_root))
+    except OSError:
+        return None
 
 
 def select_episode_ids(sql: str, tables: dict[str, str]) -> list[str]:
