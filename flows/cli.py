@@ -2,6 +2,7 @@
 
     agentr1 demo                       train on the built-in task with the embedded defaults
     agentr1 train --config FILE        train with a YAML config (see configs/)
+    agentr1 resume --run-id R          continue a stopped or crashed run: completed stages are skipped
     agentr1 query "SELECT ..."         SQL over every table of every run (DuckDB)
     agentr1 rerun --run-id R --iteration K --stage S [--set key=value ...]
     agentr1 runs                       list runs and their iterations
@@ -18,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from agent_core.io.locks import RunInUseError
 from flows.environment import configure_environment
 
 DEFAULT_DATA_ROOT = "data"
@@ -40,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--run-id", default=None, help="default: a fresh id")
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set rollout.group_size=8 (repeatable)")
+
+    resume = add("resume", "continue a stopped or crashed run from its recorded config; completed stages are skipped")
+    resume.add_argument("--run-id", required=True)
+    resume.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="change a config value; the stages it affects (and everything after them) rerun")
 
     query = add("query", "run SQL over all tables of all runs")
     query.add_argument("sql", help="e.g. \"select iteration, avg(reward) from rewards group by 1 order by 1\"")
@@ -86,7 +93,23 @@ def _train(args: argparse.Namespace) -> int:
     if args.data_root:
         overrides.append(f"data_root={args.data_root}")
     run_id = args.run_id or new_run_id(args.command)
-    config = load_config(args.configs, [*overrides, f"run_id={run_id}"])
+    return _run_training(load_config(args.configs, [*overrides, f"run_id={run_id}"]))
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from agent_core.io.configs import load_config
+    from agent_core.io.layout import DataRoot
+
+    data_root = args.data_root or DEFAULT_DATA_ROOT
+    run = DataRoot(Path(data_root)).run(args.run_id)
+    if not run.config_path.is_file():
+        raise FileNotFoundError(f"run {args.run_id!r} has no config at {run.config_path}: is the run id right?")
+    print(f"agentr1: resuming run {args.run_id}: stages whose manifests match are skipped", flush=True)
+    return _run_training(load_config(run.config_path, [*args.overrides, f"data_root={data_root}", f"run_id={args.run_id}"]))
+
+
+def _run_training(config) -> int:
+    run_id = config.run_id
     configure_environment(config.data_root)
     print(f"agentr1: run {run_id}: {config.iterations} iterations of "
           f"{config.data.prompts_per_iteration} prompts x {config.rollout.group_size} samples "
@@ -202,7 +225,7 @@ def _experiment(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": _train, "train": _train, "query": _query, "rerun": _rerun, "runs": _runs, "eval": _eval,
+COMMANDS = {"demo": _train, "train": _train, "resume": _resume, "query": _query, "rerun": _rerun, "runs": _runs, "eval": _eval,
             "experiment": _experiment}
 
 
@@ -210,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError, KeyError) as error:
+    except (ValueError, FileNotFoundError, KeyError, RunInUseError) as error:
         # user errors (config typos, missing runs, bad SQL) get one clear line, not a traceback
         print(f"agentr1: error: {error}", file=sys.stderr)
         return 2

@@ -11,12 +11,13 @@ from pathlib import Path
 
 from prefect import flow
 
-from agent_core.io.layout import DataRoot
+from agent_core.config import PipelineConfig
+from agent_core.io.layout import DataRoot, RunLayout
 from tasks.compute_advantages import compute_advantages
 from tasks.label_rewards import label_rewards
 from tasks.prepare_data import prepare_data, prepare_dataset
 from tasks.rollout import rollout
-from tasks.run_config import load_run_config
+from tasks.run_config import load_run_config, writing_run
 from tasks.train import train_policy
 
 STAGES = ("prepare_data", "rollout", "label_rewards", "compute_advantages", "train")
@@ -29,18 +30,24 @@ def rerun_stage(data_root: str, run_id: str, iteration: int, stage: str, overrid
         raise ValueError(f"unknown stage {stage!r}; valid stages: {', '.join(STAGES)}")
     run = DataRoot(Path(data_root)).run(run_id)
     config = load_run_config(run, [*(overrides or []), f"data_root={data_root}"])
+    with writing_run(run):
+        return _rerun(run, config, iteration, stage)
+
+
+def _rerun(run: RunLayout, config: PipelineConfig, iteration: int, stage: str) -> str:
     k = iteration
     table = lambda name: run.table_uri(k, name)  # noqa: E731 - reads like the stage list below
     dataset = prepare_dataset(config.data_root, config.data)
-    stages = {
-        "prepare_data": lambda: prepare_data(run, k, dataset, config.data, config.seed),
+    stages = {  # resume=False: an explicit rerun always runs (and its manifest then records the rerun's settings)
+        "prepare_data": lambda: prepare_data(run, k, dataset, config.data, config.seed, resume=False),
         "rollout": lambda: rollout(run, k, table("prompts"), dataset.corpus_uri, str(run.policy_dir_before(k)),
-                                   config.rollout, config.seed),
-        "label_rewards": lambda: label_rewards(run, k, table("steps"), table("prompts"), config.reward),
+                                   config.rollout, config.seed, resume=False),
+        "label_rewards": lambda: label_rewards(run, k, table("steps"), table("prompts"), config.reward, resume=False),
         "compute_advantages": lambda: compute_advantages(run, k, table("steps"), table("rewards"), config.algorithm,
-                                                         config.trainer, config.rollout.temperature),
+                                                         config.trainer, config.rollout.temperature, resume=False),
         "train": lambda: train_policy(run, k, table("steps"), table("advantages"), str(run.policy_dir_before(k)),
                                       config.trainer, config.algorithm, config.rollout.temperature,
-                                      config.iterations * config.trainer.epochs * config.trainer.mini_batches),
+                                      config.iterations * config.trainer.epochs * config.trainer.mini_batches,
+                                      resume=False),
     }
     return stages[stage]()

@@ -5,7 +5,6 @@ Reads top to bottom like the pipeline diagram in DESIGN.md §1. Stages pass tabl
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from tasks.init_policy import init_critic, init_policy
 from tasks.label_rewards import label_rewards
 from tasks.prepare_data import DatasetUris, prepare_data, prepare_dataset
 from tasks.rollout import rollout
-from tasks.run_config import record_config
+from tasks.run_config import record_config, writing_run
 from tasks.track import finish_tracking, log_iteration, start_tracking
 from tasks.train import train_policy
 from tasks.warm_start import oracle_episodes, warm_start
@@ -69,16 +68,18 @@ def start_policy(run: RunLayout, config: PipelineConfig) -> tuple[DatasetUris, s
 
 @flow(name="agentr1-train", log_prints=True)
 def train(config: PipelineConfig) -> TrainResult:
+    """Train, or resume: with the id of an existing run, every stage whose manifest matches its inputs
+    and settings is skipped, and the rest (what a crash cut short, what a changed config touches) runs."""
+    if config.run_id is None:  # e.g. a scheduled deployment: every run gets its own id
+        config = config.model_copy(update={"run_id": new_run_id()})
     try:
-        return _train(config)
+        with writing_run(DataRoot(Path(config.data_root)).run(config.run_id)) as run:
+            return _train(run, config)
     finally:
         shutdown_engines()  # vLLM servers stay warm between iterations, not after the run
 
 
-def _train(config: PipelineConfig) -> TrainResult:
-    if config.run_id is None:  # e.g. a scheduled deployment: every run gets its own id
-        config = config.model_copy(update={"run_id": new_run_id()})
-    run = DataRoot(Path(config.data_root)).run(config.run_id)
+def _train(run: RunLayout, config: PipelineConfig) -> TrainResult:
     dataset, policy_dir = start_policy(run, config)
     if estimator_uses_critic(config.algorithm.estimator):
         init_critic(run, policy_dir)
@@ -92,9 +93,7 @@ def _train(config: PipelineConfig) -> TrainResult:
     reports = []
     for k in range(config.iterations):
         prompts = prepare_data(run, k, dataset, config.data, config.seed)
-        rollout_started = time.perf_counter()
         steps = rollout(run, k, prompts, dataset.corpus_uri, policy_dir, config.rollout, config.seed)
-        rollout_seconds = time.perf_counter() - rollout_started
         rewards = label_rewards(run, k, steps, prompts, config.reward)
         advantages = compute_advantages(run, k, steps, rewards, config.algorithm, config.trainer,
                                         config.rollout.temperature)
@@ -102,7 +101,7 @@ def _train(config: PipelineConfig) -> TrainResult:
                                   config.rollout.temperature, total_steps)
         if _evaluates_after(k, config):
             dev_eval(run, k, policy_dir, dataset, config.dev_eval, eval_settings)
-        reports.append(log_iteration(run, k, tracking, policy_dir, config.tracking.model_name, rollout_seconds))
+        reports.append(log_iteration(run, k, tracking, policy_dir, config.tracking.model_name))
 
     finish_tracking(tracking, config.to_yaml(), {"start_dev_em": start_dev_em})
     return TrainResult(

@@ -1,4 +1,5 @@
-"""What every stage task shares: the task decorator and a logger that works in and out of a run."""
+"""What every stage task shares: the task decorator, a logger that works in and out of a run, and
+the resume check (io/manifests.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
+
+from agent_core.failpoints import failpoint
+from agent_core.io.manifests import StageRecord
 
 # Stages skip or redo work by looking at their output tables, not through Prefect's result cache:
 # hashing configs and paths for cache keys buys nothing here.
@@ -21,3 +25,17 @@ def stage_logger(name: str) -> logging.Logger | logging.LoggerAdapter:
         return get_run_logger()
     except MissingContextError:
         return logging.getLogger(f"tasks.{name}")
+
+
+def completed_outputs(record: StageRecord, resume: bool, what: str) -> dict[str, str] | None:
+    """The outputs of `record`'s stage if it already completed with the same inputs and settings
+    (logged as skipped), else None: the stage must run. resume=False (an explicit rerun) always runs."""
+    if not resume:
+        return None
+    done = record.completed()
+    if done is None:
+        failpoint(f"stage:{record.stage}:start")
+    else:
+        stage_logger(record.stage).info("%s: already complete with these inputs and settings, skipped (%s)",
+                                        what, record.path)
+    return done

@@ -21,11 +21,12 @@ from agent_core.algos.step_advantages import EpisodeBatch, StepRewardRow, estima
 from agent_core.config import AlgorithmConfig, TrainerConfig
 from agent_core.io.checkpoints import load_policy
 from agent_core.io.layout import RunLayout
+from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, write_table
 from agent_core.io.critics import build_critic, load_critic
 from agent_core.training.critic import score_values
 from agent_core.training.scoring import score_logprobs
-from tasks._common import stage_logger, stage_task
+from tasks._common import completed_outputs, stage_logger, stage_task
 
 
 def _rows(steps_uri: str, rewards_uri: str) -> list[dict]:
@@ -89,9 +90,19 @@ def _kl_penalty_grid(batch: EpisodeBatch, rows: Sequence[dict], ref_logprobs: li
 
 @stage_task(name="compute_advantages")
 def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_uri: str, cfg: AlgorithmConfig,
-                       trainer: TrainerConfig | None = None, temperature: float = 1.0) -> str:
+                       trainer: TrainerConfig | None = None, temperature: float = 1.0, resume: bool = True) -> str:
     log = stage_logger("compute_advantages")
     trainer = trainer or TrainerConfig()
+    uses_critic, uses_reference = estimator_uses_critic(cfg.estimator), cfg.kl_coef > 0
+    record = StageRecord(
+        run.manifest_path("compute_advantages", iteration), "compute_advantages",
+        inputs={"steps": steps_uri, "rewards": rewards_uri, "policy": run.policy_dir_before(iteration),
+                "reference": run.reference_policy_dir if uses_reference else None,
+                "critic": run.critic_dir_before(iteration) if uses_critic else None},
+        params={"algorithm": cfg, "micro_batch_tokens": trainer.micro_batch_tokens, "temperature": temperature},
+    )
+    if (done := completed_outputs(record, resume, f"iteration {iteration} advantages")) is not None:
+        return done["advantages"]
     rows = _rows(steps_uri, rewards_uri)
     policy_dir = str(run.policy_dir_before(iteration))
     batch = prepare_episodes(
@@ -100,10 +111,10 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
         process_weight=cfg.process_reward_weight, process_norm=cfg.process_reward_norm,
     )
     values_fn = ref_logprobs = penalty = None
-    if estimator_uses_critic(cfg.estimator):
+    if uses_critic:
         pad_id = load_policy(Path(policy_dir))[1].pad_token_id
         values_fn = _critic_values(run, iteration, policy_dir, trainer.micro_batch_tokens, pad_id)
-    if cfg.kl_coef > 0:
+    if uses_reference:
         ref_logprobs = _reference_logprobs(run, rows, trainer.micro_batch_tokens, temperature or 1.0)
         if cfg.kl_in_reward:
             penalty = _kl_penalty_grid(batch, rows, ref_logprobs, cfg.kl_coef, cfg.kl_estimator)
@@ -120,6 +131,7 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
         for r in results
     ]
     uri = write_table("advantages", out, run.table_uri(iteration, "advantages"))
+    record.commit({"advantages": uri})
     nonzero = sum(1 for r in results if any(a != 0.0 for a in r.advantages))
     log.info("iteration %d: %s advantages for %d steps (%d with a non-zero signal)%s%s", iteration, cfg.estimator,
              len(results), nonzero, ", critic values" if values_fn else "",

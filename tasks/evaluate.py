@@ -14,9 +14,10 @@ from agent_core.config import DevEvalConfig, PipelineConfig
 from agent_core.eval.methods import EVAL_METHODS, EvalSettings
 from agent_core.eval.report import EvalReport, eval_report
 from agent_core.io.layout import DataRoot, RunLayout
+from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, rows_of, table_exists, write_table
 from agent_core.io.tracking import Tracker
-from tasks._common import stage_logger, stage_task
+from tasks._common import completed_outputs, stage_logger, stage_task
 from tasks.prepare_data import DatasetUris, read_corpus, split_prompts
 
 EVAL_EXPERIMENT = "agentr1-eval"
@@ -63,14 +64,21 @@ def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float |
 
 @stage_task(name="dev_eval")
 def dev_eval(run: RunLayout, iteration: int | None, policy_dir: str, dataset: DatasetUris, cfg: DevEvalConfig,
-             settings: EvalSettings) -> str:
+             settings: EvalSettings, resume: bool = True) -> str:
     """Held-out EM of the policy at `policy_dir` during training (DevEvalConfig): the `agent` method on
     the first `cfg.prompts` prompts of `cfg.split`; writes the eval table `run.dev_eval_uri(iteration)`."""
     uri = run.dev_eval_uri(iteration)
+    record = StageRecord(run.manifest_path("dev_eval", iteration), "dev_eval",
+                         inputs={"policy": policy_dir, "dataset_prompts": dataset.prompts_uri,
+                                 "corpus": dataset.corpus_uri}, params={"dev_eval": cfg, "settings": settings})
+    what = "start dev eval" if iteration is None else f"iteration {iteration} dev eval"
+    if (done := completed_outputs(record, resume, what)) is not None:
+        return done["eval"]
     prompts = split_prompts(dataset, cfg.split, cfg.prompts)
     label = "start" if iteration is None else str(iteration)
     em = _evaluate_into(uri, "agent", policy_dir, prompts, read_corpus(dataset.corpus_uri), settings,
                         eval_id=f"{run.run_id}-dev-{label}", method="agent", split=cfg.split)
+    record.commit({"eval": uri})
     stage_logger("dev_eval").info("%s: %s EM %.3f over %d prompts (policy %s)",
                                   "start" if iteration is None else f"iteration {iteration}", cfg.split, em,
                                   len(prompts), policy_dir)

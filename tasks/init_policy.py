@@ -12,10 +12,11 @@ from agent_core.envs.registry import EnvResources, env_kwarg_names, make_env
 from agent_core.envs.search import Bm25Index
 from agent_core.io.checkpoints import load_policy, save_policy
 from agent_core.io.layout import RunLayout
+from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table
 from agent_core.io.critics import build_critic, save_critic
 from agent_core.training.model import build_tiny_policy, build_tokenizer, count_parameters
-from tasks._common import stage_logger, stage_task
+from tasks._common import completed_outputs, stage_logger, stage_task
 from tasks.prepare_data import DatasetUris
 
 DEFAULT_SMOLLM2_DIR = Path("data/models/smollm2-135m-instruct")
@@ -37,10 +38,15 @@ def _tool_instructions(prompt_row: dict, corpus_rows: list[dict]) -> list[str]:
 
 
 @stage_task(name="init_policy")
-def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig) -> str:
+def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig, resume: bool = True) -> str:
     """Build (tiny) or copy (path, smollm2) the initial policy into the run; return its directory."""
     log = stage_logger("init_policy")
     target = run.initial_policy_dir
+    source = None if policy.source == "tiny" else (Path(policy.path) if policy.path else DEFAULT_SMOLLM2_DIR)
+    inputs = {"dataset_prompts": dataset.prompts_uri, "corpus": dataset.corpus_uri} if source is None else {"source": source}
+    record = StageRecord(run.manifest_path("init_policy"), "init_policy", inputs=inputs, params={"policy": policy})
+    if (done := completed_outputs(record, resume, "initial policy")) is not None:
+        return done["policy"]
     if policy.source == "tiny":
         corpus_rows = read_table("corpus", dataset.corpus_uri).to_pylist()
         prompt_rows = read_table("dataset_prompts", dataset.prompts_uri).to_pylist()
@@ -56,11 +62,10 @@ def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig) -> s
             intermediate_size=policy.intermediate_size, seed=policy.seed,
         )
     else:
-        source = Path(policy.path) if policy.path else DEFAULT_SMOLLM2_DIR
         if policy.source == "smollm2" and not source.exists():
             raise FileNotFoundError(f"SmolLM2 checkpoint not found at {source}: run `make smollm2` first")
         model, tokenizer = load_policy(source)
-    save_policy(model, tokenizer, target)
+    record.commit({"policy": save_policy(model, tokenizer, target)})
     log.info("initial policy (%s, %.2fM parameters, vocab %d) at %s",
              policy.source, count_parameters(model) / 1e6, len(tokenizer), target)
     return str(target)
@@ -69,9 +74,10 @@ def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig) -> s
 @stage_task(name="init_critic")
 def init_critic(run: RunLayout, policy_dir: str) -> str:
     """The critic before iteration 0 (estimators with values): the initial policy's backbone and a
-    fresh value head. Kept if it exists, so a resumed run does not reset it."""
+    fresh value head. Kept while the policy it came from is unchanged, so a resumed run does not reset it."""
     target = run.initial_critic_dir
-    if not target.exists():
-        save_critic(build_critic(Path(policy_dir)), target)
+    record = StageRecord(run.manifest_path("init_critic"), "init_critic", inputs={"policy": policy_dir}, params={})
+    if completed_outputs(record, True, "initial critic") is None:
+        record.commit({"critic": save_critic(build_critic(Path(policy_dir)), target)})
     stage_logger("init_critic").info("initial critic at %s", target)
     return str(target)

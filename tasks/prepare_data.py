@@ -6,14 +6,16 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import schemas
 from agent_core.config import DataConfig
 from agent_core.data.loaders import load_qa_splits
-from agent_core.data.rows import document_to_row, prompt_to_row, row_to_document, row_to_prompt
+from agent_core.data.rows import check_table_envs, document_to_row, prompt_to_row, prompts_from_table, row_to_document
 from agent_core.data.synthetic import SyntheticQA, generate_synthetic_qa
 from agent_core.io.layout import DataRoot, RunLayout
-from agent_core.io.tables import read_table, table_exists, write_table
+from agent_core.io.manifests import StageRecord
+from agent_core.io.tables import read_table, table_exists, write_table, write_tables
 from agent_core.types import Document, Prompt
-from tasks._common import stage_logger, stage_task
+from tasks._common import completed_outputs, stage_logger, stage_task
 
 
 @dataclass(frozen=True)
@@ -29,13 +31,15 @@ def read_corpus(corpus_uri: str) -> list[Document]:
 
 
 def split_prompts(dataset: DatasetUris, split: str, limit: int | None = None) -> list[Prompt]:
-    """The split's prompts in dataset order, the first `limit` of them if given."""
-    rows = read_table("dataset_prompts", dataset.prompts_uri).to_pylist()
-    chosen = [row for row in rows if row["split"] == split]
+    """The split's prompts in dataset order, the first `limit` of them if given; their envs are
+    checked, so a bad row fails naming the file and the row before an evaluation starts."""
+    table = read_table("dataset_prompts", dataset.prompts_uri)
+    splits = table.column("split").to_pylist()
+    chosen = [index for index, name in enumerate(splits) if name == split]
     if not chosen:
-        splits = sorted({row["split"] for row in rows})
-        raise ValueError(f"{dataset.prompts_uri}: no prompts with split {split!r}; splits there: {', '.join(splits)}")
-    return [row_to_prompt(row) for row in chosen[:limit]]
+        raise ValueError(f"{dataset.prompts_uri}: no prompts with split {split!r}; "
+                         f"splits there: {', '.join(sorted(set(splits)))}")
+    return prompts_from_table("dataset_prompts", table.take(chosen[:limit]), dataset.prompts_uri)
 
 
 def load_dataset(data: DataConfig) -> SyntheticQA:
@@ -66,17 +70,28 @@ def prepare_dataset(data_root: str, data: DataConfig) -> DatasetUris:
         root.dataset_table_uri(dataset.dataset_id, "corpus"),
     )
     if table_exists(uris.prompts_uri) and table_exists(uris.corpus_uri):
+        # Every later stage reads these prompts: a damaged or hand-edited file fails here, named.
+        check_table_envs("dataset_prompts", read_table("dataset_prompts", uris.prompts_uri), uris.prompts_uri)
         log.info("dataset %s already prepared", dataset.dataset_id)
         return uris
-    write_table("corpus", [document_to_row(d) for d in dataset.documents], uris.corpus_uri)
-    write_table("dataset_prompts", [prompt_to_row(p) for p in dataset.prompts], uris.prompts_uri)
+    prompts = schemas.table_from_rows("dataset_prompts", [prompt_to_row(p) for p in dataset.prompts])
+    check_table_envs("dataset_prompts", prompts, f"{data.source} dataset {dataset.dataset_id}, not written")
+    # Both tables are checked before either is written: a bad one leaves no half-made dataset.
+    write_tables(("corpus", [document_to_row(d) for d in dataset.documents], uris.corpus_uri),
+                 ("dataset_prompts", prompts, uris.prompts_uri))
     log.info("dataset %s: %d prompts, %d documents", dataset.dataset_id, len(dataset.prompts), len(dataset.documents))
     return uris
 
 
 @stage_task(name="prepare_data")
-def prepare_data(run: RunLayout, iteration: int, dataset: DatasetUris, data: DataConfig, seed: int) -> str:
+def prepare_data(run: RunLayout, iteration: int, dataset: DatasetUris, data: DataConfig, seed: int,
+                 resume: bool = True) -> str:
     """Sample this iteration's training prompts (deterministic in seed and iteration)."""
+    record = StageRecord(run.manifest_path("prepare_data", iteration), "prepare_data",
+                         inputs={"dataset_prompts": dataset.prompts_uri},
+                         params={"per_iteration": data.prompts_per_iteration, "seed": seed, "iteration": iteration})
+    if (done := completed_outputs(record, resume, f"iteration {iteration} prompts")) is not None:
+        return done["prompts"]
     prompts = read_table("dataset_prompts", dataset.prompts_uri)
     train_rows = [row for row in prompts.to_pylist() if row["split"] == "train"]
     if not train_rows:
@@ -85,5 +100,6 @@ def prepare_data(run: RunLayout, iteration: int, dataset: DatasetUris, data: Dat
     chosen = random.Random(f"{seed}:{iteration}").sample(train_rows, count)
     rows = [{"run_id": run.run_id, "iteration": iteration, **row} for row in chosen]
     uri = write_table("prompts", rows, run.table_uri(iteration, "prompts"))
+    record.commit({"prompts": uri})
     stage_logger("prepare_data").info("iteration %d: %d training prompts", iteration, count)
     return uri

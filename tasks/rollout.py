@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from pathlib import Path
 
 from agent_core.config import RolloutConfig
-from agent_core.data.rows import row_to_prompt
+from agent_core.data.rows import prompts_from_table
 from agent_core.envs.registry import EnvResources, make_env
 from agent_core.envs.search import Bm25Index
 from agent_core.envs.tool_env import ChatCapabilities
-from agent_core.io.checkpoints import load_tokenizer
+from agent_core.io.checkpoints import check_checkpoint, load_tokenizer
 from agent_core.io.layout import RunLayout
-from agent_core.io.tables import read_table, write_table
+from agent_core.io.manifests import StageRecord
+from agent_core.io.tables import read_table, rows_of, write_table
 from agent_core.rollout.agent_loop import LoopSettings, run_episodes
 from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
 from agent_core.rollout.context import ContextPolicy
 from agent_core.rollout.engine import SamplingParams
 from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
-from tasks._common import stage_logger, stage_task
+from tasks._common import completed_outputs, stage_logger, stage_task
 from tasks.prepare_data import read_corpus
 
 
@@ -55,9 +56,19 @@ def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConf
 
 @stage_task(name="rollout")
 def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, policy_dir: str,
-            cfg: RolloutConfig, seed: int) -> str:
+            cfg: RolloutConfig, seed: int, resume: bool = True) -> str:
     log = stage_logger("rollout")
-    prompts = [row_to_prompt(row) for row in read_table("prompts", prompts_uri).to_pylist()]
+    record = StageRecord(run.manifest_path("rollout", iteration), "rollout",
+                         inputs={"prompts": prompts_uri, "corpus": corpus_uri, "policy": policy_dir},
+                         params={"rollout": cfg, "seed": seed, "iteration": iteration})
+    if (done := completed_outputs(record, resume, f"iteration {iteration} rollout")) is not None:
+        return done["steps"]
+    started = time.perf_counter()
+    # Bad input (an unknown env or tool, a checkpoint without weights) fails here, naming the file,
+    # before an engine starts or anything is written.
+    prompts = prompts_from_table("prompts", read_table("prompts", prompts_uri), prompts_uri,
+                                 env_of=lambda prompt: _env_of(prompt, cfg))
+    check_checkpoint(Path(policy_dir))
     documents = read_corpus(corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
     engine = ENGINES.get(cfg.engine)(Path(policy_dir), engine_options(cfg))
@@ -66,8 +77,9 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
                            policy_version=iteration, episode_prefix=f"{run.run_id}-i{iteration}-")
     finally:
         close_engine(engine)
-    rows = [{"run_id": run.run_id, "iteration": iteration, **dataclasses.asdict(r)} for r in records]
+    rows = rows_of(records, run_id=run.run_id, iteration=iteration)  # shallow: asdict deep-copies every token list
     uri = write_table("steps", rows, run.table_uri(iteration, "steps"))
+    record.commit({"steps": uri}, metrics={"seconds": time.perf_counter() - started})
     episodes = len(prompts) * cfg.group_size
     log.info("iteration %d: %d episodes, %d steps, %d generated tokens", iteration, episodes, len(records),
              sum(len(r.response_ids) for r in records))

@@ -1,11 +1,28 @@
-"""The run's resolved config, kept beside its tables so single stages can be rerun later."""
+"""The run's resolved config, kept beside its tables so single stages can be rerun later; and the
+run's writer lock, taken by every flow that writes into a run."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from agent_core.config import PipelineConfig
 from agent_core.io.configs import load_config, save_config
 from agent_core.io.layout import RunLayout
-from tasks._common import stage_task
+from agent_core.io.locks import run_lock, sweep_temporaries
+from tasks._common import stage_logger, stage_task
+
+
+@contextmanager
+def writing_run(run: RunLayout) -> Iterator[RunLayout]:
+    """Hold the run's lock while the block writes into it (a second writer fails at once, naming the
+    first one's pid), after removing what a killed earlier writer left half-written."""
+    with run_lock(run.lock_path, run.run_id):
+        removed = sweep_temporaries(run.run_dir)
+        if removed:
+            stage_logger("resume").info("run %s: removed %d unfinished temporaries of an interrupted writer: %s",
+                                        run.run_id, len(removed), ", ".join(str(p) for p in removed[:5]))
+        yield run
 
 
 @stage_task(name="record_config")

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent_core.config import PipelineConfig
-from agent_core.io.layout import DataRoot, RunLayout
+from agent_core.io.layout import RUN_TABLES, DataRoot, RunLayout
+from agent_core.io.manifests import StageRecord, read_manifest
 from agent_core.io.summaries import IterationSummary, iteration_summary
 from agent_core.io.tracking import Tracker
-from tasks._common import stage_logger, stage_task
+from tasks._common import completed_outputs, stage_logger, stage_task
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ def start_tracking(run: RunLayout, config: PipelineConfig) -> TrackingRef:
     uri = config.tracking.tracking_uri or root.mlflow_tracking_uri
     artifacts = root.mlflow_artifacts.resolve().as_uri()
     tracker = Tracker(uri, artifacts, config.tracking.experiment)
-    mlflow_run_id = tracker.start_run(run.run_id, config.flat(), tags={"data_root": str(Path(config.data_root).resolve())})
+    # A run resumed with a changed config keeps its MLflow run; the changes become `changed.*` tags.
+    mlflow_run_id = tracker.start_run(run.run_id, config.flat(), tags={"data_root": str(Path(config.data_root).resolve())},
+                                      on_change="tag")
     stage_logger("start_tracking").info("MLflow run %s in experiment %r (%s)", mlflow_run_id, config.tracking.experiment, uri)
     return TrackingRef(uri, artifacts, config.tracking.experiment, mlflow_run_id)
 
@@ -43,15 +46,26 @@ class IterationReport:
 
 
 @stage_task(name="log_iteration")
-def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_dir: str, model_name: str,
-                  rollout_seconds: float) -> IterationReport:
-    """Log the iteration's metrics and register its checkpoint as a model version."""
+def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_dir: str, model_name: str) -> IterationReport:
+    """Log the iteration's metrics and register its checkpoint as a model version, once: a resumed
+    run whose iteration was already logged from the same tables and checkpoint logs nothing again
+    (and `register_checkpoint` never registers an iteration twice)."""
     summary = iteration_summary(run, iteration)
     tracker = _tracker(ref)
-    metrics = summary.metrics()
-    metrics["rollout_tokens_per_s"] = summary.generated_tokens / max(rollout_seconds, 1e-9)
-    tracker.log_metrics(ref.mlflow_run_id, metrics, step=iteration)
+    record = StageRecord(run.manifest_path("log_iteration", iteration), "log_iteration",
+                         inputs={"checkpoint": checkpoint_dir,
+                                 **{name: run.table_uri(iteration, name) for name in RUN_TABLES}},
+                         params={"mlflow_run_id": ref.mlflow_run_id, "model_name": model_name})
+    logged = completed_outputs(record, True, f"iteration {iteration} tracking") is not None
+    if not logged:
+        metrics = summary.metrics()
+        rollout = read_manifest(run.manifest_path("rollout", iteration))
+        if rollout is not None and rollout.metrics.get("seconds"):
+            metrics["rollout_tokens_per_s"] = summary.generated_tokens / rollout.metrics["seconds"]
+        tracker.log_metrics(ref.mlflow_run_id, metrics, step=iteration)
     version = tracker.register_checkpoint(ref.mlflow_run_id, Path(checkpoint_dir), model_name, iteration)
+    if not logged:
+        record.commit({})
     stage_logger("log_iteration").info(
         "iteration %d: mean reward %.3f, EM %.3f, dev EM %.3f, %.2f steps/episode, loss %.4f -> %s v%d",
         iteration, summary.mean_reward, summary.em, summary.dev_em, summary.steps_per_episode, summary.loss,

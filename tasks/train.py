@@ -4,6 +4,13 @@ steps; save the next checkpoint, the critic and both optimizers' states.
 Training rows are packed episodes where an episode's contexts only append (one forward pass per
 episode) and one row per step otherwise (`trainer.layout`). The learning-rate schedule continues
 across iterations from the optimizer's own step count.
+
+Numerical safety (agent_core/training/safety.py): an update with non-finite values is skipped and
+recorded in `train_metrics`; more than `trainer.max_consecutive_nonfinite` of them in a row
+(continuing the previous iteration's trailing run), or a policy or critic whose parameters or
+log-probs are no longer finite, raises NonFiniteTrainingError before anything of the iteration is
+written: no checkpoint, no optimizer state and no `train_metrics` (a stage is complete when its
+table exists, so a table beside a missing checkpoint would lie; the error carries every reason).
 """
 
 from __future__ import annotations
@@ -16,13 +23,15 @@ from agent_core.algos.estimator_core import estimator_uses_critic
 from agent_core.config import AlgorithmConfig, TrainerConfig
 from agent_core.io.checkpoints import load_policy, save_policy
 from agent_core.io.layout import RunLayout
+from agent_core.io.manifests import StageRecord
 from agent_core.io.optimizer_state import load_optimizer_state, save_optimizer_state
-from agent_core.io.tables import read_table, write_table
+from agent_core.io.tables import read_table, table_exists, write_table
 from agent_core.training.batches import TrainStep, choose_layout
 from agent_core.io.critics import build_critic, load_critic, save_critic
 from agent_core.training.schedule import make_lr_scheduler, optimizer_step_count
+from agent_core.training.safety import check_nonfinite_updates, check_savable, nonfinite_streaks, probe_logprobs
 from agent_core.training.trainer import make_optimizer, train_iteration
-from tasks._common import stage_logger, stage_task
+from tasks._common import completed_outputs, stage_logger, stage_task
 
 _ADVANTAGE_FIELDS = ("advantages", "ref_logprobs", "values", "returns", "obs_advantages", "obs_returns", "obs_values")
 
@@ -44,6 +53,14 @@ def _episodes(steps_uri: str, advantages_uri: str) -> list[list[TrainStep]]:
     return [[step for _, step in sorted(rows, key=lambda r: r[0])] for rows in episodes.values()]
 
 
+def _nonfinite_streak_before(run: RunLayout, iteration: int) -> int:
+    """Non-finite skips that ended the previous iteration's training (0 without its table), so a
+    run whose single update per iteration is skipped every time still stops."""
+    if iteration == 0 or not table_exists(uri := run.table_uri(iteration - 1, "train_metrics")):
+        return 0
+    return nonfinite_streaks(read_table("train_metrics", uri).column("skip_reason").to_pylist())[1]
+
+
 def _critic_and_optimizer(run: RunLayout, iteration: int, policy_dir: str, cfg: TrainerConfig):
     critic_dir = run.critic_dir_before(iteration)
     critic = load_critic(critic_dir) if critic_dir.exists() else build_critic(Path(policy_dir))
@@ -53,14 +70,34 @@ def _critic_and_optimizer(run: RunLayout, iteration: int, policy_dir: str, cfg: 
     return critic, optimizer
 
 
+def _train_inputs(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, policy_dir: str,
+                  uses_critic: bool) -> dict:
+    """Everything the update reads: tables, the policy and (after iteration 0) the optimizer state, and
+    the critic with its optimizer for estimators with values."""
+    inputs = {"steps": steps_uri, "advantages": advantages_uri, "policy": policy_dir,
+              "optimizer": run.optimizer_state_path(iteration - 1) if iteration > 0 else None}
+    if uses_critic:
+        inputs.update(critic=run.critic_dir_before(iteration),
+                      critic_optimizer=run.critic_optimizer_state_path(iteration - 1) if iteration > 0 else None)
+    return inputs
+
+
 @stage_task(name="train")
 def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, policy_dir: str,
-                 cfg: TrainerConfig, algorithm: AlgorithmConfig, temperature: float, total_steps: int = 0) -> str:
+                 cfg: TrainerConfig, algorithm: AlgorithmConfig, temperature: float, total_steps: int = 0,
+                 resume: bool = True) -> str:
     """Update the policy of `policy_dir` and save it as this iteration's checkpoint; return its path.
 
     total_steps: the decay horizon of a linear/cosine schedule (default: this iteration's steps).
     """
     log = stage_logger("train")
+    uses_critic = estimator_uses_critic(algorithm.estimator)
+    record = StageRecord(run.manifest_path("train", iteration), "train", inputs=_train_inputs(
+        run, iteration, steps_uri, advantages_uri, policy_dir, uses_critic), params={
+        "trainer": cfg, "algorithm": algorithm, "temperature": temperature, "total_steps": total_steps,
+        "iteration": iteration})
+    if (done := completed_outputs(record, resume, f"iteration {iteration} training")) is not None:
+        return done["checkpoint"]
     sequences = choose_layout(_episodes(steps_uri, advantages_uri), cfg.layout)
     model, tokenizer = load_policy(Path(policy_dir))
     optimizer = make_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -71,7 +108,7 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
                                   total_steps=max(cfg.total_steps or total_steps, steps_now),
                                   start_step=optimizer_step_count(optimizer))
     critic = critic_optimizer = None
-    if estimator_uses_critic(algorithm.estimator):
+    if uses_critic:
         critic, critic_optimizer = _critic_and_optimizer(run, iteration, policy_dir, cfg)
     results = train_iteration(
         model, optimizer, sequences, critic=critic, critic_optimizer=critic_optimizer, scheduler=scheduler,
@@ -83,6 +120,12 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
         use_advantage_mask=algorithm.use_advantage_mask, recompute_old_logprobs=cfg.recompute_old_logprobs,
         max_logit_elements=cfg.micro_batch_logits,
     )
+    check_nonfinite_updates(results, iteration=iteration, max_consecutive=cfg.max_consecutive_nonfinite,
+                            carried=_nonfinite_streak_before(run, iteration))
+    check_savable(model.named_parameters(), iteration=iteration, probe_logprobs=probe_logprobs(
+        model, min(sequences, key=len).input_ids, tokenizer.pad_token_id))
+    if critic is not None:
+        check_savable(critic.named_parameters(), iteration=iteration, what="critic")
     checkpoint = save_policy(model, tokenizer, run.checkpoint_dir(iteration))
     save_optimizer_state(optimizer, run.optimizer_state_path(iteration))
     if critic is not None:
@@ -91,7 +134,11 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
     rows = [{"run_id": run.run_id, "iteration": iteration, "update_idx": i,
              **{k: (None if k == "vf_loss" and math.isnan(v) else v) for k, v in dataclasses.asdict(r).items()}}
             for i, r in enumerate(results)]
-    write_table("train_metrics", rows, run.table_uri(iteration, "train_metrics"))
+    outputs = {"checkpoint": checkpoint, "optimizer": run.optimizer_state_path(iteration),
+               "train_metrics": write_table("train_metrics", rows, run.table_uri(iteration, "train_metrics"))}
+    if critic is not None:
+        outputs.update(critic=run.critic_dir(iteration), critic_optimizer=run.critic_optimizer_state_path(iteration))
+    record.commit(outputs)
     for i, r in enumerate(results):
         if r.skipped:
             log.warning("iteration %d, update %d skipped: %s", iteration, i, r.skip_reason)

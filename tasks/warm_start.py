@@ -4,7 +4,6 @@ then supervised fine-tuning of the initial policy; RL starts from the result
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from pathlib import Path
 
@@ -12,23 +11,30 @@ from agent_core.config import RewardConfig, RolloutConfig, WarmStartConfig
 from agent_core.data.oracle import OracleEngine, rag_demonstrations
 from agent_core.io.checkpoints import load_policy, load_tokenizer, save_policy
 from agent_core.io.layout import RunLayout
+from agent_core.io.manifests import StageRecord
 from agent_core.io.query import select_episode_ids
-from agent_core.io.tables import read_table, write_table
+from agent_core.io.tables import read_table, rows_of, write_table
 from agent_core.training.batches import TrainStep, choose_layout
 from agent_core.training.sft import sft_train
 from agent_core.training.trainer import make_optimizer
-from tasks._common import stage_logger, stage_task
+from tasks._common import completed_outputs, stage_logger, stage_task
 from tasks.label_rewards import label_steps_table
 from tasks.prepare_data import DatasetUris, read_corpus, split_prompts
 from tasks.rollout import roll_out
 
 @stage_task(name="oracle_episodes")
 def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, rollout: RolloutConfig,
-                    reward: RewardConfig, policy_dir: str, seed: int, top_k: int = 3) -> tuple[str, str]:
+                    reward: RewardConfig, policy_dir: str, seed: int, top_k: int = 3, resume: bool = True) -> tuple[str, str]:
     """The scripted oracle solves `cfg.prompts` training prompts in the rollout's env and format, and
     answers `cfg.rag_prompts` others in the naive_rag format (with `top_k` passages), recorded token for token with the
     policy's tokenizer; returns (steps uri, rewards uri)."""
     log = stage_logger("oracle_episodes")
+    record = StageRecord(run.manifest_path("oracle_episodes"), "oracle_episodes",
+                         inputs={"dataset_prompts": dataset.prompts_uri, "corpus": dataset.corpus_uri,
+                                 "policy": policy_dir},
+                         params={"warm_start": cfg, "rollout": rollout, "reward": reward, "seed": seed, "top_k": top_k})
+    if (done := completed_outputs(record, resume, "warm start episodes")) is not None:
+        return done["steps"], done["rewards"]
     train = split_prompts(dataset, "train")
     chosen = random.Random(f"warm-start:{seed}").sample(train, min(cfg.prompts, len(train)))
     prompts = list(chosen)
@@ -41,11 +47,12 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     rag = random.Random(f"warm-start-rag:{seed}").sample(train, min(cfg.rag_prompts, len(train)))
     prompts += rag
     records += rag_demonstrations(tokenizer, rag, documents, top_k=top_k, episode_prefix=f"{run.run_id}-rag-")
-    steps = [{"run_id": run.run_id, "iteration": 0, **dataclasses.asdict(r)} for r in records]
+    steps = rows_of(records, run_id=run.run_id, iteration=0)
     steps_uri = write_table("steps", steps, run.warm_start_dir / "steps.parquet")
     answers = {p.prompt_id: list(p.answers) for p in prompts}  # a prompt in both samples: same answers
     rewards_uri = str(run.warm_start_dir / "rewards.parquet")
     labelled = label_steps_table(steps_uri, answers, reward, run.run_id, 0, rewards_uri)
+    record.commit({"steps": steps_uri, "rewards": rewards_uri})
     finals = [r.em for r in labelled if r.em is not None]
     log.info("warm start: the oracle solved %d of %d episodes (%d tool episodes in the %s format, %d naive_rag "
              "answers; %d steps)", sum(finals), len(finals), len(chosen), tool_format, len(rag), len(records))
@@ -66,9 +73,14 @@ def _selected_episodes(steps_uri: str, rewards_uri: str, sql: str) -> list[list[
 
 @stage_task(name="warm_start")
 def warm_start(run: RunLayout, steps_uri: str, rewards_uri: str, cfg: WarmStartConfig, micro_batch_tokens: int,
-               policy_dir: str, seed: int) -> str:
+               policy_dir: str, seed: int, resume: bool = True) -> str:
     """Fine-tune the policy of `policy_dir` on the episodes `cfg.select_sql` picks; return where it is."""
     log = stage_logger("warm_start")
+    record = StageRecord(run.manifest_path("warm_start"), "warm_start",
+                         inputs={"steps": steps_uri, "rewards": rewards_uri, "policy": policy_dir},
+                         params={"warm_start": cfg, "micro_batch_tokens": micro_batch_tokens, "seed": seed})
+    if (done := completed_outputs(record, resume, "warm start")) is not None:
+        return done["policy"]
     episodes = _selected_episodes(steps_uri, rewards_uri, cfg.select_sql)
     if not episodes:
         raise ValueError(f"warm start: {cfg.select_sql!r} selected no episode of {steps_uri}")
@@ -79,6 +91,7 @@ def warm_start(run: RunLayout, steps_uri: str, rewards_uri: str, cfg: WarmStartC
                         batch_size=cfg.batch_size, micro_batch_tokens=micro_batch_tokens, seed=seed,
                         log_every=max(1, len(sequences) // cfg.batch_size), log=log, all_tokens=cfg.loss_on == "all")
     target = save_policy(model, tokenizer, run.warm_start_policy_dir)
+    record.commit({"policy": target})
     log.info("warm start: %d episodes, NLL per %s token %.3f -> %.3f over %d steps; policy at %s",
              len(episodes), "predicted" if cfg.loss_on == "all" else "action", results[0].nll, results[-1].nll,
              len(results), target)

@@ -92,6 +92,8 @@ def uses_critic(estimator: AdvantageEstimator) -> AdvantageEstimator:
 
 
 def estimator_uses_critic(name: str) -> bool:
+    import agent_core.algos.advantages  # noqa: F401  (registers the built-in estimators; a cycle at module level)
+
     return bool(getattr(ADVANTAGE_ESTIMATORS.get(name), "uses_critic", False))
 
 

@@ -9,6 +9,8 @@
       runs/<run_id>/iteration=<k>/dev_eval.parquet   held-out EM of the policy after iteration k (`eval` table)
       runs/<run_id>/dev_eval_start.parquet           ... and of the policy RL starts from
       runs/<run_id>/initial_critic/, iteration=<k>/critic/   the critic (gae, step_gae), + critic_optimizer.pt
+      runs/<run_id>/[iteration=<k>/]_manifests/<stage>.json  what a completed stage read and wrote (io/manifests.py)
+      runs/<run_id>/.lock                            held by the process writing the run (io/locks.py)
       datasets/<dataset_id>/{prompts,corpus}.parquet shared by every run that uses the dataset
       evals/<eval_id>/<method>/seed=<s>/eval.parquet one evaluation's episodes; evals/<eval_id>/report.md
       prefect/                                       PREFECT_HOME
@@ -132,6 +134,15 @@ class RunLayout:
 
     def checkpoint_dir(self, iteration: int) -> Path:
         return self.iteration_dir(iteration) / "checkpoint"
+
+    def manifest_path(self, stage: str, iteration: int | None = None) -> Path:
+        """The manifest of `stage` of `iteration` (None: a stage of the run as a whole, e.g. init_policy)."""
+        folder = self.run_dir if iteration is None else self.iteration_dir(iteration)
+        return folder / "_manifests" / f"{check_id('stage', stage)}.json"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.run_dir / ".lock"
 
     def last_checkpoint_dir(self) -> Path | None:
         """The checkpoint of the highest iteration that has one (None before the first is saved)."""

@@ -37,7 +37,7 @@ def mlflow_env() -> None:
 
 mlflow_env()
 
-from mlflow.entities import Metric, Param, ViewType  # noqa: E402
+from mlflow.entities import Metric, Param, RunTag, ViewType  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import (  # noqa: E402
@@ -46,6 +46,8 @@ from mlflow.utils.validation import (  # noqa: E402
     MAX_PARAM_VAL_LENGTH,
     MAX_PARAMS_TAGS_PER_BATCH,
 )
+
+from agent_core.failpoints import failpoint  # noqa: E402
 
 Scalar = Union[str, int, float, bool, None]
 
@@ -157,12 +159,17 @@ class Tracker:
         # Oldest first, so concurrent starters agree on the same run.
         return sorted(runs, key=lambda run: (run.info.start_time, run.info.run_id))
 
-    def start_run(self, run_id: str, params: Mapping[str, object], tags: Mapping[str, str] | None = None) -> str:
+    def start_run(self, run_id: str, params: Mapping[str, object], tags: Mapping[str, str] | None = None,
+                  on_change: str = "raise") -> str:
         """Start (or resume) the MLflow run of pipeline run `run_id`; returns the MLflow run id.
 
         `params` may be nested; it is flattened to dotted keys. A parameter already logged with
-        the same value is skipped; a different value raises TrackingError naming the key.
+        the same value is skipped. A different value (a run resumed with a changed config) raises
+        TrackingError naming the key (on_change="raise"), or (on_change="tag") keeps the first value,
+        which MLflow cannot change, and records the change as a tag `changed.<key>` = "old -> new".
         """
+        if on_change not in ("raise", "tag"):
+            raise TrackingError(f"unknown on_change {on_change!r}; valid: raise, tag")
         mlflow_run_id = self.find_run(run_id)
         if mlflow_run_id is None:
             mlflow_run_id = self._create_run(run_id, tags or {})
@@ -172,7 +179,7 @@ class Tracker:
                 self.client.update_run(mlflow_run_id, status="RUNNING")
             for key, value in (tags or {}).items():
                 self.client.set_tag(mlflow_run_id, key, value)
-        self._log_new_params(mlflow_run_id, flatten_params(params))
+        self._log_new_params(mlflow_run_id, flatten_params(params), on_change)
         return mlflow_run_id
 
     def _create_run(self, run_id: str, tags: Mapping[str, str]) -> str:
@@ -186,15 +193,18 @@ class Tracker:
             return winner
         return created
 
-    def _log_new_params(self, mlflow_run_id: str, params: Mapping[str, Scalar]) -> None:
+    def _log_new_params(self, mlflow_run_id: str, params: Mapping[str, Scalar], on_change: str = "raise") -> None:
         logged = self.client.get_run(mlflow_run_id).data.params
         new: list[Param] = []
+        changed: list[RunTag] = []
         for key, value in params.items():
             if len(key) > MAX_ENTITY_KEY_LENGTH:
                 raise TrackingError(f"param key {key[:60]!r}... is longer than MLflow's {MAX_ENTITY_KEY_LENGTH} characters")
             text = param_value(value)
             if key not in logged:
                 new.append(Param(key, text))
+            elif logged[key] != text and on_change == "tag":
+                changed.append(RunTag(f"changed.{key}"[:MAX_ENTITY_KEY_LENGTH], param_value(f"{logged[key]} -> {text}")))
             elif logged[key] != text:
                 raise TrackingError(
                     f"param {key!r} was logged as {logged[key][:200]!r} in MLflow run {mlflow_run_id}; "
@@ -203,6 +213,8 @@ class Tracker:
                 )
         for batch in _chunks(new, MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(mlflow_run_id, params=batch, synchronous=True)
+        for batch in _chunks(changed, MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(mlflow_run_id, tags=batch, synchronous=True)
 
     def log_metrics(self, mlflow_run_id: str, metrics: Mapping[str, float], step: int) -> None:
         """Log all `metrics` at `step` in one batch call (NaN and inf are kept: MLflow stores them)."""
@@ -210,6 +222,7 @@ class Tracker:
         entries = [Metric(key, float(value), timestamp_ms, int(step)) for key, value in metrics.items()]
         for batch in _chunks(entries, MAX_METRICS_PER_BATCH):
             self.client.log_batch(mlflow_run_id, metrics=batch, synchronous=True)
+        failpoint("tracking:metrics_logged")
 
     def log_artifacts(self, mlflow_run_id: str, local_dir: Path | str, artifact_path: str | None = None) -> None:
         local_dir = Path(local_dir)
@@ -244,6 +257,7 @@ class Tracker:
         artifact_path = f"{CHECKPOINT_ARTIFACT_DIR}/iteration={int(iteration)}"
         self.client.log_artifacts(mlflow_run_id, str(checkpoint_dir), artifact_path)
         self._ensure_registered_model(model_name)
+        failpoint("tracking:checkpoint_artifacts_logged")
         source = posixpath.join(self.client.get_run(mlflow_run_id).info.artifact_uri, artifact_path)
         version = self.client.create_model_version(
             model_name, source=source, run_id=mlflow_run_id, tags={ITERATION_TAG: str(int(iteration))}

@@ -1,0 +1,50 @@
+"""Failpoints: named places where a crash is most telling, for testing that a run survives one.
+
+Each durable write and each long-running stage passes through `failpoint("<name>")` (e.g.
+`write_table:steps:temp_written`, after a table's temporary file is flushed and before the rename
+that publishes it). Normally this does nothing but read one environment variable. With
+
+    AGENTR1_FAILPOINT=<name>[@<n>]
+
+the process kills itself with SIGKILL the n-th time (default: the first) it reaches `<name>`: no
+exception handler, `finally` block or atexit hook runs, exactly as under the OOM killer or a lost
+machine. With `AGENTR1_FAILPOINT_TRACE=<file>` every failpoint reached is appended to the file, one
+name per line (the kill-and-resume test takes its kill points from the trace of a clean run).
+
+Like gofail (etcd) or fail-rs (TiKV), the hooks live in the product so tests crash the real code
+paths, not a copy of them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+FAILPOINT_ENV = "AGENTR1_FAILPOINT"
+TRACE_ENV = "AGENTR1_FAILPOINT_TRACE"
+
+_counts: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def failpoint(name: str) -> None:
+    """Crash here (SIGKILL to this process) if AGENTR1_FAILPOINT selects this visit of `name`."""
+    spec, trace = os.environ.get(FAILPOINT_ENV), os.environ.get(TRACE_ENV)
+    if not spec and not trace:
+        return
+    with _lock:
+        _counts[name] = count = _counts.get(name, 0) + 1
+        if trace:
+            with open(trace, "a") as sink:
+                sink.write(name + "\n")
+    if spec and _selects(spec, name, count):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _selects(spec: str, name: str, count: int) -> bool:
+    target, _, nth = spec.partition("@")
+    return target == name and count == (int(nth) if nth else 1)
