@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import yaml
 
 from agent_core.config import ConfigError, PipelineConfig, apply_overrides, build_config
+from agent_core.io.atomic import atomic_file
 
 
 def load_config(paths: str | Path | Sequence[str | Path] | None = None,
@@ -52,8 +53,6 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def save_config(config: PipelineConfig, path: Path) -> Path:
     """Write the resolved config next to the run's tables (atomically, like every output)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(config.to_yaml())
-    tmp.replace(path)
+    with atomic_file(path, "w") as sink:
+        sink.write(config.to_yaml())
     return path

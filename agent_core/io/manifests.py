@@ -24,13 +24,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent_core.failpoints import failpoint
+from agent_core.io.atomic import atomic_file
 
 MANIFEST_VERSION = 1
 ABSENT = "absent"
@@ -175,17 +174,6 @@ def read_manifest(path: str | os.PathLike) -> StageManifest | None:
 
 def write_manifest(manifest: StageManifest, path: str | os.PathLike) -> Path:
     """Write `manifest` atomically (temporary file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "w") as sink:
-            json.dump(dataclasses.asdict(manifest), sink, indent=1, sort_keys=True)
-            sink.flush()
-            os.fsync(sink.fileno())
-        failpoint(f"manifest:{manifest.stage}:temp_written")
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-    return path
+    with atomic_file(path, "w", failpoint_prefix=f"manifest:{manifest.stage}") as sink:
+        json.dump(dataclasses.asdict(manifest), sink, indent=1, sort_keys=True)
+    return Path(path)

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 
 import torch
 
-from agent_core.failpoints import failpoint
+from agent_core.io.atomic import atomic_file
 
 
 def save_optimizer_state(optimizer: torch.optim.Optimizer, path: Path) -> Path:
     """Write the state atomically (temporary file, fsync, rename): a resumed run never loads half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as sink:
-            torch.save(optimizer.state_dict(), sink)
-            sink.flush()
-            os.fsync(sink.fileno())
-        failpoint("save_optimizer:temp_written")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(path, failpoint_prefix="save_optimizer") as sink:
+        torch.save(optimizer.state_dict(), sink)
     return path
 
 

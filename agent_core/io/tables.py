@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import schemas
-from agent_core.failpoints import failpoint
+from agent_core.io.atomic import atomic_file
 
 COMPRESSION = "zstd"
 
@@ -64,20 +63,8 @@ def _checked(table_name: str, data: pa.Table | Iterable[Mapping[str, Any]]) -> p
 
 
 def _write_checked(table: pa.Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as sink:
-            pq.write_table(table, sink, compression=COMPRESSION)
-            sink.flush()
-            os.fsync(sink.fileno())
-        failpoint(f"write_table:{path.name}:temp_written")
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
-    failpoint(f"write_table:{path.name}:published")
+    with atomic_file(path, failpoint_prefix=f"write_table:{path.name}") as sink:
+        pq.write_table(table, sink, compression=COMPRESSION)
 
 
 def read_table(table_name: str, uri: str | os.PathLike) -> pa.Table:
@@ -133,17 +120,3 @@ def _local_path(uri: str | os.PathLike) -> Path:
     elif "://" in text:
         raise ValueError(f"unsupported table location {text!r}: only local paths (or file:// URIs) are supported")
     return Path(text)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable; some filesystems refuse to open a directory: skip there."""
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)

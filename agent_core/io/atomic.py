@@ -1,0 +1,56 @@
+"""Atomic file writes: a reader sees the old file or the new one, never part of either.
+
+The bytes go to a hidden temporary file beside the target (`.<name>.<random>.tmp`: a leading dot,
+so table globs and listings skip it, and `locks.sweep_temporaries` recognises a killed writer's
+leftover), are flushed and fsynced, and the file is renamed over the target with `os.replace`,
+atomic on one filesystem; then the folder is fsynced so the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+from agent_core.failpoints import failpoint
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb", failpoint_prefix: str | None = None) -> Iterator[IO]:
+    """Open a temporary file to write `path`'s new content into; publish it when the block ends
+    without an exception (else remove it). failpoint_prefix: `<prefix>:temp_written` is passed with
+    the content complete but unpublished, `<prefix>:published` after the rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, mode) as sink:
+            yield sink
+            sink.flush()
+            os.fsync(sink.fileno())
+        if failpoint_prefix:
+            failpoint(f"{failpoint_prefix}:temp_written")
+        os.replace(temp_name, path)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+    if failpoint_prefix:
+        failpoint(f"{failpoint_prefix}:published")
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable; some filesystems refuse to open a directory: skip there."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
