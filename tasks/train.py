@@ -9,8 +9,11 @@ Numerical safety (agent_core/training/safety.py): an update with non-finite valu
 recorded in `train_metrics`; more than `trainer.max_consecutive_nonfinite` of them in a row
 (continuing the previous iteration's trailing run), or a policy or critic whose parameters or
 log-probs are no longer finite, raises NonFiniteTrainingError before anything of the iteration is
-written: no checkpoint, no optimizer state and no `train_metrics` (a stage is complete when its
-table exists, so a table beside a missing checkpoint would lie; the error carries every reason).
+written: no checkpoint, no optimizer state and no `train_metrics` (a metrics table beside a missing
+checkpoint would read as a finished iteration in SQL; the error carries every reason).
+
+Resume: the stage's manifest records its inputs (tables, policy, optimizer state, critic) and
+settings; it is committed after every output is in place, so a crash anywhere in between reruns it.
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ def read_table(table_name: str, uri: str | os.PathLike) -> pa.Table:
 
 
 def table_exists(uri: str | os.PathLike) -> bool:
-    """True when the table file is in place (a stage is complete when its table exists)."""
+    """True when the table file is in place (complete, as every table is written atomically; whether
+    the stage that wrote it finished is its manifest's to say: io/manifests.py)."""
     return _local_path(uri).is_file()
 
 
