@@ -121,3 +121,17 @@ def test_a_rerun_skips_completed_stages_and_a_changed_config_reruns_what_it_affe
                       "iteration=1/_manifests/log_iteration.json", "iteration=1/_manifests/rollout.json",
                       "iteration=1/_manifests/train.json"]
     assert changed.model_version == 2
+
+
+def test_resume_of_an_unknown_run_and_of_a_run_in_use_fail_clearly(tmp_path, capsys):
+    from agent_core.io.locks import run_lock
+    from flows.cli import main as cli_main
+
+    assert cli_main(["resume", "--run-id", "nope", "--data-root", str(tmp_path)]) == 2
+    assert "run 'nope' has no config at" in capsys.readouterr().err
+    run = DataRoot(tmp_path).run("busy")
+    with run_lock(run.lock_path, "busy"):  # as if another process were training it
+        assert cli_main(["train", "--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "--run-id", "busy",
+                         "--data-root", str(tmp_path)]) == 2
+    assert "run 'busy' is being written by another process (pid" in capsys.readouterr().err
+    assert not run.config_path.exists()  # refused before writing anything
