@@ -103,7 +103,9 @@ def _resume(args: argparse.Namespace) -> int:
     data_root = args.data_root or DEFAULT_DATA_ROOT
     run = DataRoot(Path(data_root)).run(args.run_id)
     if not run.config_path.is_file():
-        raise FileNotFoundError(f"run {args.run_id!r} has no config at {run.config_path}: is the run id right?")
+        raise FileNotFoundError(f"run {args.run_id!r} has no config at {run.config_path}: is the run id right? (a run "
+                                "stopped before it recorded its config has nothing to resume: start it again with "
+                                f"`agentr1 train --run-id {args.run_id}`)")
     print(f"agentr1: resuming run {args.run_id}: stages whose manifests match are skipped", flush=True)
     return _run_training(load_config(run.config_path, [*args.overrides, f"data_root={data_root}", f"run_id={args.run_id}"]))
 

@@ -87,7 +87,11 @@ def run_cli(args: list[str], data_root: Path, *, failpoint: str | None = None, t
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
-            process.wait(timeout=kill_after_s if kill_after_s is not None else timeout_s)
+            if kill_after_s is None:
+                process.wait(timeout=timeout_s)
+            else:  # the delay counts from the run's start: its recorded config, after the interpreter's start-up
+                _wait_for(lambda: process.poll() is not None or _started(data_root), timeout_s)
+                process.wait(timeout=kill_after_s)
         except subprocess.TimeoutExpired:
             if kill_after_s is None:
                 _kill_group(process.pid)
@@ -95,6 +99,18 @@ def run_cli(args: list[str], data_root: Path, *, failpoint: str | None = None, t
         _kill_group(process.pid)
         code = process.wait(timeout=60)
     return code, log_path.read_text()
+
+
+def _started(data_root: Path) -> bool:
+    return any(data_root.glob("runs/*/config.yaml"))
+
+
+def _wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired("wait", timeout_s)
+        time.sleep(0.05)
 
 
 def _kill_group(pgid: int) -> None:
