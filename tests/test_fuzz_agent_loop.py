@@ -195,14 +195,18 @@ class FuzzEngine:
         return "".join(self.writer.any_fragment(rng) for _ in range(rng.randint(0, 3)))
 
 
+# A clean call must never fail, so no timeout a busy machine could hit (a 10 s default was, once,
+# with two test suites sharing 2 cores): timeouts have their own tests (test_tool_containment.py).
+_NO_TIMEOUT = {"tool_timeout_s": 600.0}
 # (name, env, env kwargs, tools the writer uses, context policy, group size, prompts, max steps)
 CONFIGS = [
-    ("tag_search", "search_qa", {"tool_format": "tag"}, ("search",), ContextPolicy(), 16, 40, 6),
-    ("hermes_search", "search_qa", {"tool_format": "hermes"}, ("search",), ContextPolicy("last_k", 2), 16, 40, 6),
-    ("hermes_tools", "tool_env", {"tools": ["calculator", "search"], "tool_format": "hermes"},
+    ("tag_search", "search_qa", {"tool_format": "tag", **_NO_TIMEOUT}, ("search",), ContextPolicy(), 16, 40, 6),
+    ("hermes_search", "search_qa", {"tool_format": "hermes", **_NO_TIMEOUT}, ("search",), ContextPolicy("last_k", 2),
+     16, 40, 6),
+    ("hermes_tools", "tool_env", {"tools": ["calculator", "search"], "tool_format": "hermes", **_NO_TIMEOUT},
      ("calculator", "search"), ContextPolicy(max_observation_tokens=48), 16, 40, 6),
-    ("tag_tools", "tool_env", {"tools": ["calculator", "search"], "tool_format": "tag", "max_result_chars": 300},
-     ("calculator", "search"), ContextPolicy("last_k", 1), 16, 40, 6),
+    ("tag_tools", "tool_env", {"tools": ["calculator", "search"], "tool_format": "tag", "max_result_chars": 300,
+                               **_NO_TIMEOUT}, ("calculator", "search"), ContextPolicy("last_k", 1), 16, 40, 6),
 ]
 
 
@@ -262,8 +266,10 @@ def test_random_model_outputs_never_escape_and_every_error_is_recorded(task, tmp
     # every malformed output has its error recorded: a parse error or a failed call
     assert count("label = 'malformed' and parse_error is null and failed_calls = 0") == 0
     assert count("label = 'answer' and termination is distinct from 'answered'") == 0
-    assert count("label = 'clean' and (parse_error is not null or num_calls != calls_written "
-                 "or len(list_filter(error_kinds, lambda x: x != 'over_budget')) > 0)") == 0
+    clean_with_errors = ("label = 'clean' and (parse_error is not null or num_calls != calls_written "
+                         "or len(list_filter(error_kinds, lambda x: x != 'over_budget')) > 0)")
+    assert count(clean_with_errors) == 0, con.execute(
+        f"select response_text, parse_error, tool_calls from s where {clean_with_errors} limit 3").fetchall()
     # whatever the output: no env crash, and a step that neither answered nor ran a call says why
     assert count("termination = 'error'") == 0
     assert count("termination is distinct from 'answered' and parse_error is null and num_calls = 0") == 0

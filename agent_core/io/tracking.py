@@ -105,6 +105,25 @@ def _is_uri(location: str) -> bool:
     return "://" in location or location.startswith("file:")
 
 
+def _create_sqlite_store(path: Path) -> None:
+    """Create a new SQLite store whole or not at all: MLflow migrates a fresh database in ~2.5 s, and a
+    process killed meanwhile would leave a half-migrated file no later run can open. So the schema is
+    built in a hidden temporary file and hard-linked into place (`link` fails if a concurrent process
+    got there first: its store is kept, ours dropped)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        return
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{time.time_ns()}.tmp")
+    try:
+        MlflowClient(tracking_uri=f"sqlite:///{temp.resolve()}").search_experiments()
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            pass
+    finally:
+        temp.unlink(missing_ok=True)
+
+
 class Tracker:
     """Logs one pipeline run to MLflow through an explicit tracking URI.
 
@@ -114,8 +133,7 @@ class Tracker:
 
     def __init__(self, tracking_uri: str, artifact_location: str, experiment_name: str = "agentr1"):
         if tracking_uri.startswith("sqlite:///"):
-            # SQLite creates the file but not its folder.
-            Path(tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            _create_sqlite_store(Path(tracking_uri.removeprefix("sqlite:///")))
         if not _is_uri(artifact_location):
             artifact_location = str(Path(artifact_location).resolve())
         self.tracking_uri = tracking_uri
