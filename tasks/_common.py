@@ -14,8 +14,8 @@ from prefect.logging import get_run_logger
 from agent_core.failpoints import failpoint
 from agent_core.io.manifests import StageRecord
 
-# Stages skip or redo work by looking at their output tables, not through Prefect's result cache:
-# hashing configs and paths for cache keys buys nothing here.
+# Stages skip or redo work by their manifests (`completed_outputs`), not through Prefect's result
+# cache: its cache keys would hash configs and paths, not what the inputs hold.
 stage_task = partial(task, cache_policy=NO_CACHE, persist_result=False)
 
 

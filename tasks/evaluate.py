@@ -71,17 +71,16 @@ def dev_eval(run: RunLayout, iteration: int | None, policy_dir: str, dataset: Da
     record = StageRecord(run.manifest_path("dev_eval", iteration), "dev_eval",
                          inputs={"policy": policy_dir, "dataset_prompts": dataset.prompts_uri,
                                  "corpus": dataset.corpus_uri}, params={"dev_eval": cfg, "settings": settings})
-    what = "start dev eval" if iteration is None else f"iteration {iteration} dev eval"
-    if (done := completed_outputs(record, resume, what)) is not None:
+    which = "start" if iteration is None else f"iteration {iteration}"
+    if (done := completed_outputs(record, resume, f"{which} dev eval")) is not None:
         return done["eval"]
     prompts = split_prompts(dataset, cfg.split, cfg.prompts)
-    label = "start" if iteration is None else str(iteration)
     em = _evaluate_into(uri, "agent", policy_dir, prompts, read_corpus(dataset.corpus_uri), settings,
-                        eval_id=f"{run.run_id}-dev-{label}", method="agent", split=cfg.split)
+                        eval_id=f"{run.run_id}-dev-{'start' if iteration is None else iteration}", method="agent",
+                        split=cfg.split)
     record.commit({"eval": uri})
-    stage_logger("dev_eval").info("%s: %s EM %.3f over %d prompts (policy %s)",
-                                  "start" if iteration is None else f"iteration {iteration}", cfg.split, em,
-                                  len(prompts), policy_dir)
+    stage_logger("dev_eval").info("%s: %s EM %.3f over %d prompts (policy %s)", which, cfg.split, em, len(prompts),
+                                  policy_dir)
     return uri
 
 

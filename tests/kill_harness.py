@@ -36,8 +36,6 @@ RUN_ID = "killed"
 # changes the weights (the untrained tiny policy earns no reward, so GRPO alone would not).
 OVERRIDES = ("rollout.straggler_wait_s=.inf", "dev_eval.every=0", "trainer.entropy_coef=0.05")
 TIMING_COLUMNS = {"train_metrics": ("seconds", "tokens_per_s")}
-STAGE_OF_TABLE = {"steps": "rollout", "rewards": "label_rewards", "advantages": "compute_advantages",
-                  "train_metrics": "train", "prompts": "prepare_data"}
 
 
 @dataclass(frozen=True)

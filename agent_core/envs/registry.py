@@ -41,12 +41,8 @@ def _make_tool_env(resources: EnvResources, *, tools: Sequence[str | Mapping[str
                    max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE) -> ToolEnv:
     """Any registered tools in any format. tools: names, or {"name": ..., "kwargs": {...}} entries.
     The other kwargs are ToolEnv's (budgets, timeout, result size, penalties)."""
-    built = []
-    for entry in tools:
-        name, kwargs = (entry, {}) if isinstance(entry, str) else (entry.get("name"), dict(entry.get("kwargs", {})))
-        if not isinstance(name, str):
-            raise ValueError(f"env 'tool_env': a tools entry needs a name, got {entry!r}; valid tools: {', '.join(TOOLS.names())}")
-        built.append(make_tool(name, kwargs, resources))
+    check_tool_entries(tools, "env 'tool_env'")
+    built = [make_tool(name, dict(kwargs), resources) for name, kwargs in map(_tool_entry, tools)]
     return ToolEnv(built, tool_format, chat=resources.chat, invalid_action_penalty=invalid_action_penalty,
                    tool_error_penalty=tool_error_penalty, tool_timeout_s=tool_timeout_s,
                    max_calls_per_action=max_calls_per_action, max_result_chars=max_result_chars,
@@ -104,9 +100,7 @@ def check_tool_entries(entries: Any, where: str) -> None:
         raise ValueError(f"{where}: tools must be a list of tool names or {{name, kwargs}} entries, got {entries!r}")
     for index, entry in enumerate(entries):
         at = f"{where}, tools[{index}]"
-        name, kwargs = (entry, {}) if isinstance(entry, str) else (None, None)
-        if isinstance(entry, Mapping):
-            name, kwargs = entry.get("name"), entry.get("kwargs", {})
+        name, kwargs = _tool_entry(entry)
         if not isinstance(kwargs, Mapping):
             raise ValueError(f"{at}: expected a tool name or a {{name, kwargs}} entry, got {entry!r}")
         _check_name(TOOLS, name, at)
@@ -116,9 +110,18 @@ def check_tool_entries(entries: Any, where: str) -> None:
             raise ValueError(f"{at}: {error}") from None
 
 
+def _tool_entry(entry: Any) -> tuple[Any, Any]:
+    """(name, kwargs) of a tools entry: a tool name, or {"name": ..., "kwargs": {...}}; (None, None) else."""
+    if isinstance(entry, str):
+        return entry, {}
+    if isinstance(entry, Mapping):
+        return entry.get("name"), entry.get("kwargs", {})
+    return None, None
+
+
 def _check_name(registry: Registry, name: Any, where: str) -> None:
     if not isinstance(name, str) or name not in registry:
-        raise ValueError(f"{where}: unknown {registry.kind} {name!r}; valid {registry.kind} names: "
+        raise ValueError(f"{where}: unknown {registry.kind} {name!r}; valid {registry.kind}s: "
                          f"{', '.join(registry.names()) or '(none)'}")
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Sequence
 
 from agent_core.envs.base import TERMINATIONS, AgentEnv, EnvStep, ToolCall
+from agent_core.failpoints import failpoint
 from agent_core.rollout.chat import encode_conversation, encode_observation_messages, eos_token_ids
 from agent_core.rollout.context import ContextPolicy, EpisodeContext, extends, truncate_text
 from agent_core.rollout.engine import Engine, Generation, SamplingParams, concurrent_calls
@@ -217,6 +218,7 @@ class _Scheduler:
 
 def _timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Generation], float]:
     """(generations, wall seconds of the call); runs on an engine thread."""
+    failpoint("engine:generate")  # a crash mid-rollout, whichever engine
     started = time.perf_counter()
     generations = engine.generate(prompts, params)
     if len(generations) != len(prompts):  # zip would silently drop episodes

@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from agent_core.failpoints import failpoint
-
 FINISH_REASONS = ("stop", "length")
 
 
@@ -70,7 +68,6 @@ def check_request(prompts: Sequence[Sequence[int]], params: SamplingParams) -> N
     for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {index} is empty; every prompt needs at least one token")
-    failpoint("engine:generate")  # every engine call passes here: a crash mid-rollout
 
 
 def concurrent_calls(engine: object) -> int:

@@ -29,11 +29,9 @@ from typing import Sequence
 import torch
 
 from agent_core.algos.kl import kl_penalty
-from agent_core.failpoints import failpoint
-from agent_core.algos.losses import (
-    aggregate_loss, clipped_value_loss, masked_sum, ppo_clip_loss,
-)
+from agent_core.algos.losses import aggregate_loss, clipped_value_loss, masked_sum, ppo_clip_loss
 from agent_core.algos.masks import Masks, derive_masks
+from agent_core.failpoints import failpoint
 from agent_core.training.batches import (
     PaddedBatch, TrainSequence, make_micro_batches,
 )
