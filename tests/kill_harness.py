@@ -181,7 +181,10 @@ def visible_problems(data_root: Path, run_id: str = RUN_ID) -> list[str]:
                 problems.append(f"{manifest_path}: output {name} ({output}) is not what the manifest recorded")
     if list(run.run_dir.glob("iteration=*/steps.parquet")):
         glob = str(run.run_dir / "iteration=*" / "steps.parquet")
-        duckdb.sql(f"select count(*) from read_parquet('{glob}', hive_partitioning=true)").fetchall()
+        # A connection of its own: kill_and_resume runs in several threads at once, and DuckDB's
+        # module-level default connection (duckdb.sql) is one object they would share ("connection is busy").
+        with duckdb.connect() as con:
+            con.execute("select count(*) from read_parquet(?, hive_partitioning=true)", [glob]).fetchall()
     return problems
 
 
