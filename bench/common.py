@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from agent_core.io.portable_paths import CHECKOUT, portable
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # run_all.py points every script (also ones that do not parse --results-dir) at one folder with it
 RESULTS_DIR_ENV = "BENCH_RESULTS_DIR"
@@ -111,11 +113,14 @@ def _json_safe(value):
 
 def write_result(name: str, title: str, measurements: list[Measurement], *, seconds: float,
                  notes: str = "", config: dict | None = None, results_dir: str | Path | None = None,
-                 argv: list[str] | None = None) -> Path:
+                 argv: list[str] | None = None, data_root: str | Path | None = None) -> Path:
     """<results dir>/<name>.json with the command that produced it and the machine.
 
     results_dir: see `resolve_results_dir` (default bench/results). argv: the script's arguments
     (default sys.argv[1:]; give them when main() was called in-process, e.g. from a test).
+    data_root: the benchmark's (temporary) data root. The file is committed, so no machine paths:
+    paths under the data root are written `<data root>/...`, a results folder outside the checkout
+    `<results dir>`, paths in the checkout relative to it (agent_core/io/portable_paths.py).
     """
     folder = resolve_results_dir(results_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -130,6 +135,8 @@ def write_result(name: str, title: str, measurements: list[Measurement], *, seco
         "measurements": [{**asdict(m), "met": m.met} for m in measurements],
         "notes": notes,
     }
+    outside = not Path(folder).resolve().is_relative_to(CHECKOUT)
+    payload = portable(payload, {"data root": data_root, "results dir": folder if outside else None})
     path = folder / f"{name}.json"
     path.write_text(json.dumps(_json_safe(payload), indent=2, allow_nan=False) + "\n")
     print(f"bench: wrote {path}")

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(data_root, ignore_errors=True)
     config = {k: v for k, v in vars(args).items() if k not in ("results_dir", "keep_data")}
     write_result(NAME, TITLE, [measurement(iterations, setup_seconds)], seconds=progress.elapsed, config=config,
-                 results_dir=args.results_dir, argv=argv,
+                 results_dir=args.results_dir, argv=argv, data_root=data_root,
                  notes="Measured iterations: 1..N-1 (iteration 0 pays first-call costs; its share is in the details).")
     return 0
 

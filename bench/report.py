@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from agent_core.io.portable_paths import portable
 from bench.common import base_parser, resolve_results_dir
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -199,7 +200,9 @@ def render(results: list[dict], hand_written: str) -> str:
     differs = len({_machine_key(r) for r in results}) > 1
     for r in results:
         lines += benchmark_markdown(r, differs)
-    return "\n".join(lines).rstrip() + "\n\n" + hand_written
+    # the page is committed: a machine path in a result (one written before bench.common made them
+    # portable) is shown relative to the checkout, home or the temporary folder
+    return portable("\n".join(lines)).rstrip() + "\n\n" + hand_written
 
 
 def hand_written_part(output: Path) -> str:

@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(root, ignore_errors=True)
     write_result(NAME, "This pipeline vs TRL GRPOTrainer: seconds per single-turn GRPO iteration", measurements,
-                 seconds=time.perf_counter() - started, results_dir=args.results_dir, argv=argv,
+                 seconds=time.perf_counter() - started, results_dir=args.results_dir, argv=argv, data_root=root,
                  notes="Noisy: a shared 2-core CPU machine. The sides alternate (TRL step k, then pipeline "
                        "iteration k). The pipeline's iteration includes its Parquet tables, loading and saving "
                        "policy and optimizer state, and MLflow registration; TRL's step keeps all in memory.",

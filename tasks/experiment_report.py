@@ -3,6 +3,7 @@ both, from the evaluation's tables and each arm's training curves."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from agent_core.eval.experiment import (
 from agent_core.eval.report import AVERAGE, eval_report
 from agent_core.io.layout import DataRoot
 from agent_core.io.plots import plot_bars, plot_curves
+from agent_core.io.portable_paths import portable
 from agent_core.io.tables import read_table
 from agent_core.io.tracking import Tracker
 from tasks._common import stage_logger, stage_task
@@ -59,9 +61,10 @@ def experiment_report(exp: ExperimentConfig, data_root: str, experiment_id: str,
     }
     relative = {title: _relative(path, page.parent) for title, path in paths.items()}
     checks = target_checks(exp, em)
-    text = results_markdown(exp, command=command, wall_seconds=wall_seconds,
-                            eval_table=_titled(report.markdown(), titles), checks=checks, curves=curves,
-                            plots=relative, setup=setup)
+    # The page gets committed: no machine paths (the command's --data-root, a plot outside the page's folder)
+    text = portable(results_markdown(exp, command=command, wall_seconds=wall_seconds,
+                                     eval_table=_titled(report.markdown(), titles), checks=checks, curves=curves,
+                                     plots=relative, setup=setup), {"data root": data_root})
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text(text)
 
@@ -81,7 +84,5 @@ def experiment_report(exp: ExperimentConfig, data_root: str, experiment_id: str,
 
 
 def _relative(path: Path, start: Path) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(start.resolve()))
-    except ValueError:
-        return str(Path(path).resolve())
+    """The link from the page's folder `start` to `path`: relative, `../` where it lies outside."""
+    return os.path.relpath(Path(path).resolve(), start.resolve())
