@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import warnings
 
 import pytest
 import torch
 
+from agent_core.algos import estimator_core
 from agent_core.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageOutput, compute_advantages
+from agent_core.algos.estimator_core import GroupOfOneWarning
 from agent_core.algos.episodes import EpisodeStep, advantage_mask, build_episode_layout
 from agent_core.registry import UnknownNameError
 
@@ -130,6 +133,45 @@ def test_step_gae_hand_worked_mask_on_and_off():
     rewards[0, 3] = 0.25
     off = compute_advantages("step_gae", rewards, REAL, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8, step_starts=STARTS)
     assert torch.allclose(off.advantages[0], torch.tensor([1.442, 1.442, 1.442, 1.442, 0.6]), atol=1e-6)
+
+
+def whitened(x, mask):
+    """Plain reference: (x - mean) / std over the masked entries (unbiased std), 0 elsewhere."""
+    picked = [v for v, m in zip(x.flatten().tolist(), mask.flatten().tolist()) if m]
+    mean, std = statistics.mean(picked), statistics.stdev(picked)
+    return (x - mean) / std * mask
+
+
+@pytest.mark.parametrize("name", ["gae", "step_gae"])
+def test_critic_estimators_whiten_advantages_over_the_mask_and_keep_returns_raw(name):
+    for mask in (ACTIONS, REAL):
+        kwargs = dict(gamma=0.9, lam=0.8, step_starts=STARTS, eps=0.0)
+        raw = compute_advantages(name, TOOL_REWARDS, mask, PAIR, TOOL_VALUES, **kwargs)
+        white = compute_advantages(name, TOOL_REWARDS, mask, PAIR, TOOL_VALUES, whiten=True, **kwargs)
+        assert torch.allclose(white.advantages, whitened(raw.advantages.double(), mask.double()).float(), atol=1e-6)
+        assert torch.equal(white.returns, raw.returns)  # value targets are not whitened
+    # by hand, gae with the mask on (advantages of test_gae_mask_on_skips_tool_tokens_hand_worked)
+    if name == "gae":
+        out = compute_advantages(name, TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8, whiten=True,
+                                 eps=0.0)
+        five = [0.86624, 1.092, 0.6, 0.31, 0.5]
+        mean, std = statistics.mean(five), statistics.stdev(five)
+        assert out.advantages[0, 4].item() == pytest.approx((0.6 - mean) / std, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_a_group_of_one_gets_advantage_zero_and_one_warning(name, monkeypatch):
+    monkeypatch.setattr(estimator_core, "_WARNED", set())
+    rewards, mask = grid(responses_only([[1], [1], [2]], [[1.0], [0.0], [1.0]]))
+    groups = torch.tensor([0, 0, 5])  # episode 2 is alone
+    with pytest.warns(GroupOfOneWarning, match=f"{name}: 1 episode"):
+        out = compute_advantages(name, rewards, mask, groups)
+    assert out.advantages[2].tolist() == [0.0, 0.0] and out.returns[2].tolist() == [1.0, 1.0]
+    assert out.advantages[0, 0] > 0 > out.advantages[1, 0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: a second batch with a group of one is silent
+        compute_advantages(name, rewards, mask, groups)
+        compute_advantages(name, rewards, mask, torch.tensor([0, 0, 1]))  # no group of one: silent too
 
 
 def test_critic_estimators_need_values_and_step_gae_needs_step_starts():

@@ -29,7 +29,9 @@ from agent_core.algos.estimator_core import (
     check_inputs,
     episode_scores,
     group_stats,
+    ignores_advantage_mask,
     masked_whiten,
+    zero_groups_of_one,
 )
 from agent_core.algos.estimators_critic import gae_advantages, step_gae_advantages  # registers them too
 
@@ -56,6 +58,7 @@ def _output(advantages: torch.Tensor, returns: torch.Tensor) -> AdvantageOutput:
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
+@ignores_advantage_mask
 def grpo_advantages(
     token_rewards: torch.Tensor,
     mask: torch.Tensor,
@@ -67,6 +70,7 @@ def grpo_advantages(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     step_starts: torch.Tensor | None = None,
+    whiten: bool = False,
 ) -> AdvantageOutput:
     """GRPO outcome advantages (Shao et al. 2024), or Dr.GRPO's (Liu et al. 2025) when not norm_by_std.
 
@@ -75,18 +79,21 @@ def grpo_advantages(
     advantage_e = (score_e - mean_g) / (std_g + eps) with norm_by_std, score_e - mean_g without,
     broadcast over the episode's masked tokens; returns = score_e broadcast.
     std_g is the unbiased (Bessel-corrected, n - 1) sample std of the group, as in the reference
-    implementations (verl, TRL use torch.std); a group of one gets advantage 0.
+    implementations (verl, TRL use torch.std). A group of one gets advantage 0 and a one-time
+    GroupOfOneWarning (verl keeps its raw score instead; estimator_core says why not here).
+    whiten is unused (the group normalization is the scaling).
     """
     check_inputs(token_rewards, mask, group_index, values, step_starts)
     scores = episode_scores(token_rewards, mask)
     stats = group_stats(scores, group_index)
     centered = scores - stats.mean
     advantage = centered / (stats.unbiased_std + eps) if norm_by_std else centered
-    advantage = torch.where(stats.count > 1, advantage, torch.zeros_like(advantage))
+    advantage = zero_groups_of_one("grpo", advantage, stats.count)
     return _output(broadcast_to_tokens(advantage, mask), broadcast_to_tokens(scores, mask))
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
+@ignores_advantage_mask
 def rloo_advantages(
     token_rewards: torch.Tensor,
     mask: torch.Tensor,
@@ -98,20 +105,22 @@ def rloo_advantages(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     step_starts: torch.Tensor | None = None,
+    whiten: bool = False,
 ) -> AdvantageOutput:
     """REINFORCE leave-one-out advantages (Ahmadian et al. 2024).
 
     Shapes: token_rewards, mask [E, T]; group_index [E]; outputs [E, T].
     advantage_e = score_e - mean of the OTHER episodes' scores in its group, broadcast over
-    the episode's masked tokens; returns = score_e broadcast. A group of one gets advantage 0.
-    RLOO does not scale by a std: norm_by_std, eps, gamma, lam and values are unused.
+    the episode's masked tokens; returns = score_e broadcast. A group of one gets advantage 0 and
+    a one-time GroupOfOneWarning (as grpo). RLOO does not scale by a std: norm_by_std, eps,
+    gamma, lam, values and whiten are unused.
     """
     check_inputs(token_rewards, mask, group_index, values, step_starts)
     scores = episode_scores(token_rewards, mask)
     stats = group_stats(scores, group_index)
     others = (stats.count - 1).clamp(min=1)
     baseline = (stats.total - scores) / others
-    advantage = torch.where(stats.count > 1, scores - baseline, torch.zeros_like(scores))
+    advantage = zero_groups_of_one("rloo", scores - baseline, stats.count)
     return _output(broadcast_to_tokens(advantage, mask), broadcast_to_tokens(scores, mask))
 
 
@@ -141,13 +150,15 @@ def reinforce_pp_advantages(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     step_starts: torch.Tensor | None = None,
+    whiten: bool = False,
 ) -> AdvantageOutput:
     """REINFORCE++ (Hu 2025, arXiv 2501.03262): token-level discounted return-to-go, whitened
     over every masked token of the batch (as verl / OpenRLHF do).
 
     Shapes: token_rewards, mask [E, T]; group_index [E] (unused); outputs [E, T].
     returns = G_t (``discounted_returns``); advantages = (G_t - mean) / (std + eps), mean and
-    unbiased std over all masked tokens of the batch. lam, values, norm_by_std are unused.
+    unbiased std over all masked tokens of the batch. lam, values, norm_by_std are unused; whiten
+    too (the whitening is part of REINFORCE++, always on).
     """
     check_inputs(token_rewards, mask, group_index, values, step_starts)
     returns = discounted_returns(token_rewards, mask, gamma)
@@ -166,6 +177,7 @@ def reinforce_pp_baseline_advantages(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     step_starts: torch.Tensor | None = None,
+    whiten: bool = False,
 ) -> AdvantageOutput:
     """REINFORCE++ with a group baseline (verl's ``reinforce_plus_plus_baseline``).
 
@@ -174,7 +186,7 @@ def reinforce_pp_baseline_advantages(
     to the episode's masked tokens, then whitened over all masked tokens of the batch (mean and
     unbiased std, + eps). A group of one keeps its raw score (baseline 0, as in verl): the batch
     whitening is then its baseline. returns = score_e broadcast. gamma, lam, values, norm_by_std
-    are unused.
+    and whiten are unused (the whitening is part of the algorithm, always on).
     """
     check_inputs(token_rewards, mask, group_index, values, step_starts)
     scores = episode_scores(token_rewards, mask)
@@ -196,10 +208,11 @@ def compute_advantages(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     step_starts: torch.Tensor | None = None,
+    whiten: bool = False,
 ) -> AdvantageOutput:
     """Run the estimator registered as `name` (UnknownNameError lists the valid names)."""
     estimator = ADVANTAGE_ESTIMATORS.get(name)
     return estimator(
         token_rewards, mask, group_index, values,
-        gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std, step_starts=step_starts,
+        gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std, step_starts=step_starts, whiten=whiten,
     )

@@ -8,7 +8,7 @@ estimators) and ``agent_core.algos.estimators_critic`` (GAE with a critic); impo
 Every estimator is called as::
 
     fn(token_rewards, mask, group_index, values=None, *, gamma=1.0, lam=1.0, eps=1e-6,
-       norm_by_std=True, step_starts=None) -> AdvantageOutput
+       norm_by_std=True, step_starts=None, whiten=False) -> AdvantageOutput
 
 on the episode token grid of ``agent_core.algos.episodes``:
 
@@ -20,14 +20,30 @@ on the episode token grid of ``agent_core.algos.episodes``:
 - group_index: int [E], episodes with the same value were sampled from the same prompt (any
   integers; they need not be contiguous);
 - values: float [E, T] critic values, for estimators that use a critic (None otherwise);
-- step_starts: bool [E, T], True at the first action token of each step (``step_gae`` only).
+- step_starts: bool [E, T], True at the first action token of each step (``step_gae`` only);
+- whiten: whiten the advantages over every masked token of the batch (``gae``, ``step_gae``;
+  ``reinforce_pp*`` always whiten as part of the algorithm, ``grpo`` / ``rloo`` never do).
 
 Parameters an estimator has no use for are accepted and ignored, so a config can switch
 estimators by name alone. Outputs are float32 [E, T] and zero wherever ``mask`` is 0.
+
+Which estimators the advantage mask can change at all (``estimator_ignores_advantage_mask``):
+rewards sit on action tokens only, so an episode's score (the sum of its masked rewards) is the
+same whichever mask is used. ``grpo`` and ``rloo`` compute nothing else, so their action-token
+advantages do not depend on the mask; the config refuses that ablation for them. The others
+change: ``gae`` with gamma or lam < 1 (discounting across observation tokens) and, with
+``whiten``, always (observation tokens join the whitening statistics); ``step_gae`` only through
+``whiten`` (a step's segment runs up to the next step start either way); ``reinforce_pp*``
+through their whitening.
+
+A group of one (``grpo``, ``rloo``) has no baseline: its advantage is 0 (no signal), unlike
+verl, which keeps the raw score (an unbaselined, unnormalized score mixed into group-normalized
+advantages); ``warn_once`` reports it once per estimator and process.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,6 +73,7 @@ class AdvantageEstimator(Protocol):
         eps: float = 1e-6,
         norm_by_std: bool = True,
         step_starts: torch.Tensor | None = None,
+        whiten: bool = False,
     ) -> AdvantageOutput: ...
 
 
@@ -91,10 +108,53 @@ def uses_critic(estimator: AdvantageEstimator) -> AdvantageEstimator:
     return estimator
 
 
-def estimator_uses_critic(name: str) -> bool:
+def ignores_advantage_mask(estimator: AdvantageEstimator) -> AdvantageEstimator:
+    """Mark an estimator whose action-token advantages cannot depend on the advantage mask (it
+    only sums rewards, which sit on action tokens): a config refuses that ablation for it."""
+    estimator.ignores_advantage_mask = True
+    return estimator
+
+
+def _registered(name: str) -> AdvantageEstimator:
     import agent_core.algos.advantages  # noqa: F401  (registers the built-in estimators; a cycle at module level)
 
-    return bool(getattr(ADVANTAGE_ESTIMATORS.get(name), "uses_critic", False))
+    return ADVANTAGE_ESTIMATORS.get(name)
+
+
+def estimator_uses_critic(name: str) -> bool:
+    return bool(getattr(_registered(name), "uses_critic", False))
+
+
+def estimator_ignores_advantage_mask(name: str) -> bool:
+    return bool(getattr(_registered(name), "ignores_advantage_mask", False))
+
+
+class GroupOfOneWarning(UserWarning):
+    """A group-baseline estimator met a group with a single episode (its advantage is 0)."""
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message)`` the first time `key` is seen in this process, nothing after."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, category, stacklevel=3)
+
+
+def zero_groups_of_one(name: str, advantage: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """`advantage` [E] with 0 for episodes alone in their group (count [E] = group sizes); warns
+    once per estimator `name` when there is any (module docstring: why 0 and not the raw score)."""
+    alone = count <= 1
+    if bool(alone.any()):
+        warn_once(
+            f"group-of-one:{name}",
+            f"{name}: {int(alone.sum())} episode(s) alone in their group get advantage 0 (no baseline, so no "
+            "signal); sample at least two episodes per prompt (rollout.group_size >= 2). Warned once.",
+            GroupOfOneWarning,
+        )
+    return torch.where(alone, torch.zeros_like(advantage), advantage)
 
 
 def require_values(name: str, values: torch.Tensor | None) -> torch.Tensor:

@@ -8,6 +8,14 @@ in between is skipped (its rewards and values are ignored). The code carries the
 token" value and advantage across unmasked columns, which is the same as compressing each row to
 its masked tokens, running the plain recursion and scattering back.
 
+Whitening (``whiten=True``, the pipeline's default through ``algorithm.whiten_advantages``): the
+advantages are whitened over every masked token of the batch (token-weighted mean, unbiased std,
++ eps), as verl's ``compute_gae_advantage_return`` and Agent-R1 do over their response / action
+mask; the returns (value targets) stay unwhitened. This is also what makes the advantage-mask
+ablation reach the trained signal: with gamma = lam = 1 the plain recursion gives every action
+token the same A_t = G_t - V_t whichever tokens it runs over, but observation tokens do join the
+whitening statistics.
+
 Where this differs from the convention: every episode is treated as terminated after its last
 masked token (next value 0), also episodes cut off by a step or context budget. A truncated
 episode would properly bootstrap from the value of the state it stopped in; the tables do not
@@ -24,6 +32,7 @@ from agent_core.algos.estimator_core import (
     ADVANTAGE_ESTIMATORS,
     AdvantageOutput,
     check_inputs,
+    masked_whiten,
     require_values,
     uses_critic,
 )
@@ -42,13 +51,15 @@ def gae_advantages(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     step_starts: torch.Tensor | None = None,
+    whiten: bool = False,
 ) -> AdvantageOutput:
     """Token-level GAE over the masked tokens (Schulman et al. 2016).
 
     Shapes: token_rewards, mask, values [E, T]; group_index [E] (unused); outputs [E, T].
     For masked tokens t < t' (t' the next masked token of the row, none after the last):
     delta_t = r_t + gamma * V_t' - V_t (V_t' = 0 after the last), A_t = delta_t + gamma*lam*A_t'.
-    returns = advantages + values on masked tokens. No whitening (eps, norm_by_std unused).
+    returns = advantages + values on masked tokens. whiten: advantages (not returns) whitened over
+    the masked tokens of the batch with eps (module docstring). norm_by_std is unused.
     ValueError when values is None.
     """
     check_inputs(token_rewards, mask, group_index, values, step_starts)
@@ -67,6 +78,8 @@ def gae_advantages(
         next_value = torch.where(on[:, t], critic[:, t], next_value)
         next_advantage = torch.where(on[:, t], advantage, next_advantage)
     returns = torch.where(on, advantages + critic, 0.0)
+    if whiten:
+        advantages = masked_whiten(advantages, on, eps)
     return AdvantageOutput(advantages=advantages.to(torch.float32), returns=returns.to(torch.float32))
 
 
@@ -99,6 +112,7 @@ def step_gae_advantages(
     eps: float = 1e-6,
     norm_by_std: bool = True,
     step_starts: torch.Tensor | None = None,
+    whiten: bool = False,
 ) -> AdvantageOutput:
     """Step-level GAE: one value and one advantage per agent step (the step is the MDP action).
 
@@ -107,7 +121,9 @@ def step_gae_advantages(
     R_k = sum of the masked token rewards of the segment, V_k = values at the step start;
     delta_k = R_k + gamma * V_{k+1} - V_k (V_K = 0), A_k = delta_k + gamma*lam*A_{k+1}.
     A_k is broadcast to the masked tokens of segment k; returns = A_k + V_k there (the step's
-    value target). ValueError when values or step_starts is None.
+    value target). whiten: the broadcast advantages (not returns) whitened over the masked tokens
+    of the batch with eps, so a step weighs by its token count. ValueError when values or
+    step_starts is None.
     """
     check_inputs(token_rewards, mask, group_index, values, step_starts)
     values = require_values("step_gae", values)
@@ -132,4 +148,6 @@ def step_gae_advantages(
         step_advantages[:, k] = next_advantage
     advantages = torch.where(on, step_advantages.gather(1, index), 0.0)
     returns = torch.where(on, (step_advantages + step_values).gather(1, index), 0.0)
+    if whiten:
+        advantages = masked_whiten(advantages, on, eps)
     return AdvantageOutput(advantages=advantages.to(torch.float32), returns=returns.to(torch.float32))
