@@ -129,30 +129,39 @@ def test_micro_batches_with_global_normalizers_equal_one_batch(mode):
 
 
 def grad_wrt_logprobs(old, advantages, loss_mask):
-    logprobs = torch.tensor([[-9.0, -1.0, -2.0, -0.7, -1.5]], requires_grad=True)
+    logprobs = old.clone().requires_grad_(True)  # ratio 1 everywhere: d loss / d logprob_t = -A_t / n
     ppo_clip_loss(logprobs, old, advantages, loss_mask).loss.backward()
     return logprobs.grad
 
 
-def test_masks_on_make_prompt_positions_irrelevant_and_off_makes_them_count():
-    action = torch.tensor([[0, 0, 0, 1, 1]])
-    attention = torch.ones_like(action)
-    old = torch.tensor([[0.0, 0.0, 0.0, -0.6, -1.4]])
-    # Prompt positions carry advantages as they would with the advantage mask off.
-    advantages = torch.tensor([[0.3, 0.7, -0.4, 1.0, -0.5]])
-    changed_old = old.clone()
-    changed_old[0, :3] = torch.tensor([-1.0, -2.1, -1.9])
-    changed_adv = advantages.clone()
-    changed_adv[0, :3] = torch.tensor([2.0, -3.0, 1.0])
-    for use_loss_mask, should_differ in ((True, False), (False, True)):
-        mask = derive_masks(action, attention, use_loss_mask=use_loss_mask, use_advantage_mask=True).loss_mask
-        base = grad_wrt_logprobs(old, advantages, mask)
-        assert torch.equal(base[0, :1], torch.zeros(1))  # the first token is never trained
-        for new_old, new_adv in ((changed_old, advantages), (old, changed_adv)):
-            differs = not torch.allclose(grad_wrt_logprobs(new_old, new_adv, mask), base)
-            assert differs == should_differ
-        if not should_differ:
-            assert torch.equal(base[0, :3], torch.zeros(3))
+# A packed row: first prompt (2 tokens), action, two observation tokens, action. Every token
+# carries the advantage the advantages stage stored for it: the episode's 0.6 on the actions and,
+# with the loss mask off, on the observations too (agent_core.algos.step_advantages).
+ACTION = torch.tensor([[0, 0, 1, 0, 0, 1]])
+OLD = torch.tensor([[0.0, -0.9, -0.6, -2.0, -1.1, -1.4]])
+ADVANTAGES = torch.tensor([[0.0, 0.0, 0.6, 0.6, 0.6, 0.6]])
+
+
+def test_loss_mask_off_trains_observation_tokens_with_their_advantage_by_hand():
+    attention = torch.ones_like(ACTION)
+    on = derive_masks(ACTION, attention, use_loss_mask=True, use_advantage_mask=True,
+                      response_start=torch.tensor([2])).loss_mask
+    off = derive_masks(ACTION, attention, use_loss_mask=False, use_advantage_mask=True,
+                       response_start=torch.tensor([2])).loss_mask
+    # token-mean over 2 action tokens: -0.6 / 2 on each action, nothing elsewhere
+    assert torch.allclose(grad_wrt_logprobs(OLD, ADVANTAGES, on), torch.tensor([[0, 0, -0.3, 0, 0, -0.3]]))
+    # over the 4 region tokens: -0.6 / 4 on actions and observations; the first prompt stays out
+    assert torch.allclose(grad_wrt_logprobs(OLD, ADVANTAGES, off), torch.tensor([[0, 0, -0.15, -0.15, -0.15, -0.15]]))
+
+
+def test_with_the_loss_mask_on_values_off_the_action_change_nothing():
+    attention = torch.ones_like(ACTION)
+    mask = derive_masks(ACTION, attention, use_loss_mask=True, use_advantage_mask=False,
+                        response_start=torch.tensor([2])).loss_mask
+    base = grad_wrt_logprobs(OLD, ADVANTAGES, mask)
+    changed = ADVANTAGES.clone()
+    changed[0, [0, 1, 3, 4]] = torch.tensor([2.0, -3.0, 1.0, 5.0])
+    assert torch.equal(grad_wrt_logprobs(OLD, changed, mask), base)
 
 
 def test_masked_mean_and_entropy():

@@ -132,7 +132,8 @@ def test_micro_batching_gives_the_same_step_as_one_batch(agg_mode):
     assert_same_deltas(whole, micro, same=True)
 
 
-def with_prompt_values(steps, old_logprob: float, advantage: float) -> list[TrainSequence]:
+def with_prompt_values(steps, old_logprob: float, advantage: float, region_start=None) -> list[TrainSequence]:
+    """Prompt positions get these values; region_start(prompt_len) sets where the response region starts."""
     changed = []
     for s in steps:
         prompt_len = s.action_mask.index(1)
@@ -140,19 +141,30 @@ def with_prompt_values(steps, old_logprob: float, advantage: float) -> list[Trai
             s.input_ids, s.action_mask,
             [old_logprob] * prompt_len + s.old_logprobs[prompt_len:],
             [advantage] * prompt_len + s.advantages[prompt_len:],
+            response_start=None if region_start is None else region_start(prompt_len),
         ))
     return changed
 
 
-def test_prompt_positions_get_no_gradient_with_masks_on_and_do_with_masks_off():
+def test_context_positions_get_no_gradient_with_masks_on_or_off():
     steps = random_steps(4)
     changed = with_prompt_values(steps, old_logprob=-1.3, advantage=0.8)
+    assert_same_deltas(sgd_delta(steps), sgd_delta(changed), same=True)
+    # masks off cover the response region only: a step row's prompt is context (no loss, no target)
+    masks_off = dict(use_loss_mask=False, use_advantage_mask=False)
+    assert_same_deltas(sgd_delta(steps, **masks_off), sgd_delta(changed, **masks_off), same=True)
+    assert_same_deltas(sgd_delta(steps, **masks_off), sgd_delta(steps), same=True)
+
+
+def test_prompt_suffix_in_the_response_region_is_trained_with_masks_off_only():
+    steps = with_prompt_values(random_steps(4), old_logprob=0.0, advantage=0.0, region_start=lambda n: n - 1)
+    changed = with_prompt_values(steps, old_logprob=-1.3, advantage=0.8, region_start=lambda n: n - 1)
     assert_same_deltas(sgd_delta(steps), sgd_delta(changed), same=True)
     masks_off = dict(use_loss_mask=False, use_advantage_mask=False)
     assert_same_deltas(sgd_delta(steps, **masks_off), sgd_delta(changed, **masks_off), same=False)
     # Off the action the engine gave no log-prob: the trainer uses the current policy's (ratio 1),
     # so changing that placeholder alone changes nothing.
-    only_old = with_prompt_values(changed, old_logprob=-4.0, advantage=0.8)
+    only_old = with_prompt_values(changed, old_logprob=-4.0, advantage=0.8, region_start=lambda n: n - 1)
     assert_same_deltas(sgd_delta(changed, **masks_off), sgd_delta(only_old, **masks_off), same=True)
 
 

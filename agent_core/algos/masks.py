@@ -5,17 +5,25 @@ Vocabulary (all masks are [B, L], 1 = the token takes part, 0 = it does not):
 - ``attention_mask``: padding only (1 on real tokens, 0 on padding).
 - ``action_mask``: 1 on tokens the policy sampled (response tokens), 0 on the prompt, tool output
   and chat-template glue.
+- **response region** of a row: the tokens after the context the row starts from, from
+  ``response_start`` to the end. A packed episode: everything after its first prompt (actions and
+  the observations between them); a step row: the previous step's observation (the prompt suffix
+  that carries its values) and the response. The first prompt, and in a step row the earlier
+  turns, are context only: no mask ever covers them.
 - **loss mask**: the tokens the policy loss (and the entropy / KL terms) is averaged over.
-  On (default) = ``action_mask``. Off (the paper's ablation) = every non-padding token, so the
-  policy is also trained on observation and prompt tokens.
-- **advantage mask**: the tokens the advantage / return recursion runs over. On (default) =
-  ``action_mask``: the value at the last token of action k bootstraps from the first token of
-  action k+1 and tool output is skipped. Off (ablation) = every non-padding token.
+  On (default) = ``action_mask``. Off (the paper's ablation) = the response region, so the
+  policy is also trained on the observation tokens there, each with the advantage stored for it
+  (``agent_core.algos.step_advantages``: the recursion's own with the advantage mask off, else
+  the advantage of the action it follows, e.g. its episode's for grpo); the trainer never zeroes
+  those advantages.
+- **advantage mask**: the tokens the advantage / return recursion runs over, and so the tokens
+  with value targets for the critic. On (default) = ``action_mask``: the value at the last token
+  of action k bootstraps from the first token of action k+1 and tool output is skipped. Off
+  (ablation) = the response region (the episode grid's real tokens, observations included).
 
-Where this differs from a plain ``attention_mask`` for the "off" masks: the first real token of a
-sequence is never in a mask, because nothing conditions it (its log-probability is defined as 0
-by ``agent_core.training.trainer.sequence_logprobs``); counting it would only dilute token means.
-For the same reason a step must have at least one prompt token.
+The first real token of a sequence is never in a mask, because nothing conditions it (its
+log-probability is defined as 0 by ``agent_core.training.trainer.sequence_logprobs``); a region
+starts at index >= 1 anyway, since a step must have at least one prompt token.
 
 The Agent-R1 ablation (PPO 0.3719 -> 0.3136 with the advantage mask off -> 0.3022 with the loss
 mask off too) is reproduced by ``use_advantage_mask`` / ``use_loss_mask`` of ``derive_masks``.
@@ -24,6 +32,7 @@ mask off too) is reproduced by ``use_advantage_mask`` / ``use_loss_mask`` of ``d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -47,8 +56,9 @@ def action_mask_for_step(prompt_len: int, response_len: int) -> torch.Tensor:
 class Masks:
     """The two masks a policy update uses, float32 tensors of shape [B, L] with values 0/1.
 
-    loss_mask: tokens the policy loss, entropy and KL terms are averaged over.
-    advantage_mask: tokens that carry an advantage (advantages elsewhere are treated as 0).
+    loss_mask: tokens the policy loss, entropy and KL terms are averaged over; each is trained
+        with the advantage stored for it.
+    advantage_mask: tokens the advantage recursion ran over: the critic's value-target tokens.
     """
 
     loss_mask: torch.Tensor
@@ -65,18 +75,39 @@ def predicted_token_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return real * (~first).to(torch.float32)
 
 
+def first_action_index(action_mask: Sequence[int]) -> int:
+    """Index of a row's first action token (its length when it has none): the default
+    ``response_start`` of a row that carries no observation before its first action."""
+    return next((i for i, flag in enumerate(action_mask) if flag), len(action_mask))
+
+
+def response_region_mask(attention_mask: torch.Tensor, response_start: torch.Tensor | None,
+                         action_mask: torch.Tensor) -> torch.Tensor:
+    """The response region (module docstring) of each row, float32 [B, L]: predicted real tokens
+    at positions >= response_start (int [B]; None = each row's first action token)."""
+    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    if response_start is None:
+        acting = action_mask.to(torch.bool) & attention_mask.to(torch.bool)
+        response_start = torch.where(acting, positions, attention_mask.shape[-1]).min(dim=-1).values
+    after = positions[None, :] >= response_start.to(positions.device)[:, None]
+    return predicted_token_mask(attention_mask) * after.to(torch.float32)
+
+
 def derive_masks(
     action_mask: torch.Tensor,
     attention_mask: torch.Tensor,
     *,
     use_loss_mask: bool,
     use_advantage_mask: bool,
+    response_start: torch.Tensor | None = None,
 ) -> Masks:
     """Loss and advantage masks from the action and attention masks.
 
     action_mask, attention_mask: [B, L] (any numeric/bool dtype, values 0/1).
+    response_start: int [B], where each row's response region starts (None: at its first action
+    token, right for step rows without an observation prefix and for packed rows).
     use_loss_mask / use_advantage_mask: True = the mask is the action mask (default);
-    False = every predicted non-padding token (``predicted_token_mask``), the ablation.
+    False = the response region (``response_region_mask``), the ablation.
     Returns float32 [B, L] masks; the action mask is also cut to non-padding tokens so a
     mislabelled padding position can never enter the loss.
     """
@@ -85,9 +116,19 @@ def derive_masks(
             f"action_mask and attention_mask must both be [B, L]; got "
             f"{tuple(action_mask.shape)} and {tuple(attention_mask.shape)}"
         )
+    if response_start is not None and tuple(response_start.shape) != (action_mask.shape[0],):
+        raise ValueError(f"response_start must be [B] with B = {action_mask.shape[0]}; got {tuple(response_start.shape)}")
     on = action_mask.to(torch.float32) * attention_mask.to(torch.float32)
-    off = predicted_token_mask(attention_mask)
+    off = response_region_mask(attention_mask, response_start, action_mask)
     return Masks(
         loss_mask=on if use_loss_mask else off,
         advantage_mask=on if use_advantage_mask else off,
     )
+
+
+def grid_advantage_mask(action_mask: torch.Tensor, real_mask: torch.Tensor, use_advantage_mask: bool) -> torch.Tensor:
+    """The estimators' mask on the episode grid (``agent_core.algos.episodes``), float32 [E, T]:
+    action tokens when on (default), every real token of the row (its response region: actions
+    and observations) when off (the ablation)."""
+    chosen = action_mask if use_advantage_mask else real_mask
+    return chosen.to(torch.float32)

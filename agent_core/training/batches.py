@@ -3,7 +3,9 @@
 A ``TrainSequence`` is one row of a policy update: token ids with, position for position, the
 action mask, the log-probs of the sampling policy and the advantages (zeros where the engine
 produced no log-prob and the estimator no advantage), plus optional reference log-probs, critic
-values and returns (None when not used).
+values and returns (None when not used), and where its response region starts (the tokens a
+mask that is off covers, ``agent_core.algos.masks``): packed, after the first prompt; a step
+row, at the observation values on its prompt suffix, else at its response.
 
 Two layouts (DESIGN.md §2), chosen per episode by ``choose_layout``:
 
@@ -16,7 +18,8 @@ Two layouts (DESIGN.md §2), chosen per episode by ``choose_layout``:
 Observation values (the advantage-mask-off ablation): a step may carry ``obs_advantages``,
 ``obs_returns``, ``obs_values`` for the observation tokens that follow its response. Packed, they
 sit at those tokens' positions; as step rows, they belong to the next step's prompt suffix, where
-``episode_step_sequences`` puts them. With the masks on, they never reach a loss.
+``episode_step_sequences`` puts them (and where that row's response region starts). With the
+masks on, they never reach a loss.
 
 Alignment: position t holds values for token t itself (its log-prob given tokens < t), matching
 ``agent_core.training.trainer.sequence_logprobs``; nothing is shifted here.
@@ -30,7 +33,7 @@ from typing import Sequence
 import torch
 
 from agent_core.algos.episodes import is_append_only  # noqa: F401  (re-exported; steps of either kind)
-from agent_core.algos.masks import action_mask_for_step
+from agent_core.algos.masks import action_mask_for_step, first_action_index
 
 LAYOUTS = ("auto", "step", "packed")
 _OPTIONAL_FIELDS = ("ref_logprobs", "old_values", "returns")
@@ -47,6 +50,7 @@ class TrainSequence:
     ref_logprobs: list[float] | None = None
     old_values: list[float] | None = None
     returns: list[float] | None = None
+    response_start: int | None = None  # None: the first action token
 
     def __post_init__(self) -> None:
         required = ("input_ids", "action_mask", "old_logprobs", "advantages")
@@ -56,6 +60,14 @@ class TrainSequence:
             raise ValueError(f"TrainSequence fields disagree in length: {lengths}")
         if not self.input_ids:
             raise ValueError("TrainSequence is empty (no input_ids)")
+        if self.response_start is not None and not 1 <= self.response_start <= len(self.input_ids):
+            raise ValueError(f"response_start {self.response_start} is not in 1..{len(self.input_ids)} "
+                             "(the first token has no context)")
+
+    @property
+    def region_start(self) -> int:
+        """Where the response region starts (``response_start``, else the first action token)."""
+        return first_action_index(self.action_mask) if self.response_start is None else self.response_start
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -106,7 +118,8 @@ def step_sequence(
 ) -> TrainSequence:
     """The training row of one agent step: prompt + response, with the action on the response.
 
-    prompt_suffix: the previous step's observation values, placed on the last prompt tokens.
+    prompt_suffix: the previous step's observation values, placed on the last prompt tokens; the
+    row's response region starts there (else at the response).
     """
     _check_step_lengths(response_ids, response_logprobs, advantages, ref_logprobs=ref_logprobs, values=values,
                         returns=returns)
@@ -126,6 +139,7 @@ def step_sequence(
         ref_logprobs=None if ref_logprobs is None else [0.0] * prompt_len + _floats(ref_logprobs),
         old_values=None if values is None else head + suffix.values + _floats(values),
         returns=None if returns is None else head + suffix.returns + _floats(returns),
+        response_start=len(head),
     )
 
 
@@ -221,6 +235,7 @@ def episode_sequence(steps: Sequence[TrainStep]) -> TrainSequence:
         ref_logprobs=columns["ref_logprobs"] if use["ref_logprobs"] else None,
         old_values=columns["values"] if use["values"] else None,
         returns=columns["returns"] if use["returns"] else None,
+        response_start=len(first.prompt_ids),
     )
 
 
@@ -254,6 +269,7 @@ class PaddedBatch:
 
     input_ids, attention_mask, action_mask: int64. old_logprobs, advantages and the optional
     ref_logprobs, old_values, returns: float32, 0 on padding (None when the sequences have none).
+    response_start: int64 [B], where each row's response region starts (``TrainSequence.region_start``).
     indices: position of each row in the list given to ``make_micro_batches``.
     """
 
@@ -263,13 +279,14 @@ class PaddedBatch:
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
     indices: tuple[int, ...]
+    response_start: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "PaddedBatch":
         moved = {name: getattr(self, name) for name in ("input_ids", "attention_mask", "action_mask", "old_logprobs",
-                                                         "advantages", *_OPTIONAL_FIELDS)}
+                                                         "advantages", "response_start", *_OPTIONAL_FIELDS)}
         return replace(self, **{k: None if v is None else v.to(device) for k, v in moved.items()})
 
 
@@ -298,7 +315,9 @@ def pad_sequences(sequences: list[TrainSequence], indices: tuple[int, ...], pad_
         attention_mask[row, :n] = 1
         action_mask[row, :n] = torch.tensor(sequence.action_mask, dtype=torch.long)
     floats = {name: _float_column(sequences, name, width) for name in ("old_logprobs", "advantages", *_OPTIONAL_FIELDS)}
-    return PaddedBatch(input_ids, attention_mask, action_mask, indices=indices, **floats)
+    response_start = torch.tensor([s.region_start for s in sequences], dtype=torch.long)
+    return PaddedBatch(input_ids, attention_mask, action_mask, indices=indices, response_start=response_start,
+                       **floats)
 
 
 def token_budget_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -9,11 +9,17 @@ values), loss or gradient norm skips the step and says which (agent_core.trainin
 KL-to-reference loss term, an optional critic (its own optimizer and clipped value loss) and an
 optional LR scheduler.
 
+Masks (agent_core/algos/masks.py): each loss-mask token is trained with the advantage stored for
+it, never zeroed here. With the loss mask off (the ablation) the observation tokens of a row's
+response region carry the advantage the advantages stage gave them (agent_core/algos/
+step_advantages.py), so they are trained with it; the critic's targets are the advantage-mask
+tokens.
+
 Where this differs from verl-style trainers: by default the "old" log-probs are the engine's
-sampling log-probs, which exist only on action tokens. With the loss mask off (the ablation),
-tokens in the loss but outside the action have no sampling log-prob; they take the current
-policy's own (detached) log-prob, i.e. ratio 1 (exact for the first step of an iteration, a
-mild approximation for later ones), since a placeholder 0 would almost always be clipped away.
+sampling log-probs, which exist only on action tokens. With the loss mask off, tokens in the
+loss but outside the action have no sampling log-prob; they take the current policy's own
+(detached) log-prob, i.e. ratio 1 (exact for the first step of an iteration, a mild
+approximation for later ones), since a placeholder 0 would almost always be clipped away.
 With ``recompute_old_logprobs`` every position gets the policy's log-prob before the first step.
 The KL term and the measured KL run over loss-mask tokens that are also action tokens: only those
 have a reference log-prob.
@@ -30,11 +36,10 @@ import torch
 
 from agent_core.algos.kl import kl_penalty
 from agent_core.algos.losses import aggregate_loss, clipped_value_loss, masked_sum, ppo_clip_loss
-from agent_core.algos.masks import Masks, derive_masks
+from agent_core.algos.masks import Masks
 from agent_core.failpoints import failpoint
-from agent_core.training.batches import (
-    PaddedBatch, TrainSequence, make_micro_batches,
-)
+from agent_core.training.batches import PaddedBatch, TrainSequence
+from agent_core.training.prepared import Prepared, prepare_update
 from agent_core.training.safety import (
     CRITIC_INPUTS, POLICY_INPUTS, SkipUpdate, check_finite_output, nonfinite_inputs,
 )
@@ -82,22 +87,6 @@ class UpdateResult:
     skip_reason: str | None
 
 
-@dataclass(frozen=True)
-class _Normalizers:
-    num_tokens: float
-    num_sequences: float
-    norm_length: float
-
-    @staticmethod
-    def over(masks: Sequence[torch.Tensor], norm_length: float | None) -> "_Normalizers":
-        per_row = torch.cat([m.sum(dim=-1) for m in masks])
-        return _Normalizers(float(per_row.sum()), float((per_row > 0).sum()),
-                            float(per_row.max()) if norm_length is None else float(norm_length))
-
-    def scale(self) -> dict[str, float]:
-        return dict(num_tokens=self.num_tokens, num_sequences=self.num_sequences, norm_length=self.norm_length)
-
-
 @dataclass
 class _Totals:
     loss: float = 0.0
@@ -125,28 +114,7 @@ class _LossSettings:
     vf_coef: float = 1.0
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    """A step's micro-batches on the model's device, their masks and loss normalizers."""
-
-    batches: list[PaddedBatch]
-    masks: list[Masks]
-    policy_norms: _Normalizers
-    kl_norms: _Normalizers
-    value_norms: _Normalizers
-
-
-def _prepare(sequences, device, *, pad_id, micro_batch_tokens, use_loss_mask, use_advantage_mask, norm_length):
-    batches = [b.to(device) for b in make_micro_batches(sequences, max_tokens=micro_batch_tokens, pad_id=pad_id)]
-    masks = [derive_masks(b.action_mask, b.attention_mask, use_loss_mask=use_loss_mask,
-                          use_advantage_mask=use_advantage_mask) for b in batches]
-    kl_masks = [m.loss_mask * b.action_mask for m, b in zip(masks, batches)]
-    return _Prepared(batches, masks, _Normalizers.over([m.loss_mask for m in masks], norm_length),
-                     _Normalizers.over(kl_masks, norm_length),
-                     _Normalizers.over([m.advantage_mask for m in masks], norm_length))
-
-
-def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: _Prepared, s: _LossSettings,
+def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared, s: _LossSettings,
                         totals: _Totals) -> torch.Tensor:
     """Forward + backward of one policy micro-batch; adds its metrics to totals, returns its loss."""
     logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=s.temperature,
@@ -156,7 +124,7 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: _Prepared
     if not s.old_logprobs_everywhere:  # loss tokens the engine did not sample: ratio 1 (module docstring)
         old_logprobs = torch.where((masks.loss_mask > 0) & (batch.action_mask == 0), logprobs.detach(), old_logprobs)
     scale = prep.policy_norms.scale()
-    policy = ppo_clip_loss(logprobs, old_logprobs, batch.advantages * masks.advantage_mask, masks.loss_mask,
+    policy = ppo_clip_loss(logprobs, old_logprobs, batch.advantages, masks.loss_mask,  # its own advantage per token
                            clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip, agg_mode=s.agg_mode,
                            **scale)
     loss = policy.loss
@@ -182,7 +150,7 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: _Prepared
     return loss.detach()
 
 
-def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: _Prepared, s: _LossSettings,
+def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared, s: _LossSettings,
                         totals: _Totals) -> torch.Tensor:
     """Forward + backward of the clipped value loss on the advantage-mask tokens (they have returns)."""
     values = critic.values(batch.input_ids, batch.attention_mask)
@@ -195,7 +163,7 @@ def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: _Prepare
     return loss.detach()
 
 
-def _micro_batches_skip_reason(prep: _Prepared, micro_step) -> str | None:
+def _micro_batches_skip_reason(prep: Prepared, micro_step) -> str | None:
     """Forward + backward of every micro-batch; why the step must be skipped, or None."""
     for batch, masks in zip(prep.batches, prep.masks):
         try:
@@ -207,7 +175,7 @@ def _micro_batches_skip_reason(prep: _Prepared, micro_step) -> str | None:
     return None
 
 
-def _accumulate_and_step(module, optimizer, prep: _Prepared, micro_step, max_grad_norm,
+def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad_norm,
                          inputs: tuple[str, ...]) -> tuple[float, str | None]:
     """Run micro_step over every micro-batch (accumulating gradients), clip, and step unless not finite.
 
@@ -245,8 +213,9 @@ def _update(policy, optimizer, sequences, s: _LossSettings, *, critic, critic_op
     if not sequences:
         raise ValueError("an update needs at least one sequence")
     started = time.perf_counter()
-    prep = _prepare(sequences, next(policy.parameters()).device, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens,
-                    use_loss_mask=use_loss_mask, use_advantage_mask=use_advantage_mask, norm_length=norm_length)
+    prep = prepare_update(sequences, next(policy.parameters()).device, pad_id=pad_id,
+                          micro_batch_tokens=micro_batch_tokens, use_loss_mask=use_loss_mask,
+                          use_advantage_mask=use_advantage_mask, norm_length=norm_length)
     totals, grad_norm, reasons = _Totals(), math.nan, []
     if prep.policy_norms.num_tokens > 0:
         grad_norm, reason = _accumulate_and_step(
