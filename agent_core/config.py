@@ -169,13 +169,19 @@ class RewardConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
+    """Estimator, masks (DESIGN.md §3; what each does: agent_core/algos/masks.py) and the KL term."""
+
     estimator: str = "grpo"
     norm_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
     eps: float = Field(1e-6, gt=0)
-    use_loss_mask: bool = Field(True, description="off = also train on non-action tokens (ablation)")
-    use_advantage_mask: bool = Field(True, description="off = recursion over every token (ablation)")
+    whiten_advantages: bool = Field(True, description="gae, step_gae: whiten advantages over the advantage mask "
+                                    "(verl, Agent-R1); others ignore it (reinforce_pp* always whiten, grpo/rloo never)")
+    use_loss_mask: bool = Field(True, description="off = also train on observation tokens after the first prompt, "
+                                "each with its own advantage (ablation)")
+    use_advantage_mask: bool = Field(True, description="off = recursion and critic targets over observation tokens "
+                                     "too (ablation; refused for grpo/rloo, where it changes nothing)")
     process_reward_weight: float = Field(1.0, ge=0, description="weight of the (normalized) process rewards")
     process_reward_norm: Literal["none", "max_abs"] = Field(
         "none", description="max_abs: scale process rewards by the batch's largest absolute process return"
@@ -197,6 +203,15 @@ class AlgorithmConfig(_Section):
         from agent_core.algos.kl import KL_ESTIMATORS
 
         return KL_ESTIMATORS.check(name)
+
+    @model_validator(mode="after")
+    def _advantage_mask_can_matter(self) -> "AlgorithmConfig":
+        from agent_core.algos.estimator_core import estimator_ignores_advantage_mask
+
+        if not self.use_advantage_mask and estimator_ignores_advantage_mask(self.estimator):
+            raise ValueError(f"algorithm.use_advantage_mask=false changes nothing for estimator {self.estimator!r}: "
+                             "its advantage is the episode's score, a sum of rewards on action tokens either way")
+        return self
 
 
 class TrainerConfig(_Section):

@@ -2,8 +2,9 @@
 
 Also computes what the estimator and the trainer need from frozen models, so the train stage only
 trains: the critic's values (estimators that use a critic: gae, step_gae) on the episode grid,
-and the reference policy's log-probs of every response (when a KL term is on), stored in the
-`advantages` table. A KL in the reward is subtracted here, on action tokens, as
+each from the context its token was generated in (``score_on_grid``: a last_k window's steps on
+their own contexts), and the reference policy's log-probs of every response (when a KL term is
+on), stored in the `advantages` table. A KL in the reward is subtracted here, on action tokens, as
 kl_coef * KL(rollout policy || reference) per token.
 """
 
@@ -14,10 +15,11 @@ from typing import Sequence
 
 import torch
 
-from agent_core.algos.episodes import EpisodeLayout
 from agent_core.algos.estimator_core import estimator_uses_critic
 from agent_core.algos.kl import kl_penalty
-from agent_core.algos.step_advantages import EpisodeBatch, StepRewardRow, estimate_step_advantages, prepare_episodes
+from agent_core.algos.step_advantages import (
+    EpisodeBatch, StepRewardRow, estimate_step_advantages, prepare_episodes, score_on_grid,
+)
 from agent_core.config import AlgorithmConfig, TrainerConfig
 from agent_core.io.checkpoints import load_policy
 from agent_core.io.layout import RunLayout
@@ -44,26 +46,23 @@ def _rows(steps_uri: str, rewards_uri: str) -> list[dict]:
     return rows
 
 
-def _critic_values(run: RunLayout, iteration: int, policy_dir: str, micro_batch_tokens: int, pad_id: int):
-    """values(layout) -> [E, T]: the critic of the iteration before, run on each episode's grid."""
+def estimator_settings(cfg: AlgorithmConfig) -> dict:
+    """The plain-number settings ``estimate_step_advantages`` takes from the algorithm config."""
+    return dict(estimator=cfg.estimator, gamma=cfg.gamma, lam=cfg.lam, eps=cfg.eps, norm_by_std=cfg.norm_by_std,
+                use_advantage_mask=cfg.use_advantage_mask, use_loss_mask=cfg.use_loss_mask,
+                whiten=cfg.whiten_advantages)
+
+
+def _critic_values(run: RunLayout, iteration: int, policy_dir: str, batch: EpisodeBatch, micro_batch_tokens: int,
+                   pad_id: int) -> torch.Tensor:
+    """[E, T]: the critic of the iteration before, on the batch's grid (``score_on_grid``)."""
     critic_dir = run.critic_dir_before(iteration)
     if critic_dir.exists():
         critic = load_critic(critic_dir)
     else:  # e.g. a rerun of this stage with gae on a run trained without a critic
         stage_logger("compute_advantages").warning("no critic at %s: starting one from %s", critic_dir, policy_dir)
         critic = build_critic(Path(policy_dir))
-
-    def values(layout: EpisodeLayout) -> torch.Tensor:
-        contexts = [layout.row_context(e) for e in range(layout.input_ids.shape[0])]
-        scored = score_values(critic, contexts, pad_id, micro_batch_tokens)
-        grid = torch.zeros(layout.input_ids.shape, dtype=torch.float32)
-        for e, per_token in enumerate(scored):
-            start = len(layout.first_prompt_ids[e])
-            row = per_token[start:start + layout.row_length(e)]
-            grid[e, : len(row)] = torch.tensor(row, dtype=torch.float32)
-        return grid
-
-    return values
+    return score_on_grid(batch, lambda contexts: score_values(critic, contexts, pad_id, micro_batch_tokens))
 
 
 def _reference_logprobs(run: RunLayout, rows: Sequence[dict], micro_batch_tokens: int, temperature: float) -> list[list[float]]:
@@ -110,18 +109,15 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
                                             "process_reward", "outcome_reward")}) for r in rows],
         process_weight=cfg.process_reward_weight, process_norm=cfg.process_reward_norm,
     )
-    values_fn = ref_logprobs = penalty = None
+    values = ref_logprobs = penalty = None
     if uses_critic:
         pad_id = load_policy(Path(policy_dir))[1].pad_token_id
-        values_fn = _critic_values(run, iteration, policy_dir, trainer.micro_batch_tokens, pad_id)
+        values = _critic_values(run, iteration, policy_dir, batch, trainer.micro_batch_tokens, pad_id)
     if uses_reference:
         ref_logprobs = _reference_logprobs(run, rows, trainer.micro_batch_tokens, temperature or 1.0)
         if cfg.kl_in_reward:
             penalty = _kl_penalty_grid(batch, rows, ref_logprobs, cfg.kl_coef, cfg.kl_estimator)
-    results = estimate_step_advantages(
-        batch, estimator=cfg.estimator, gamma=cfg.gamma, lam=cfg.lam, eps=cfg.eps, norm_by_std=cfg.norm_by_std,
-        use_advantage_mask=cfg.use_advantage_mask, values=values_fn, kl_penalty=penalty,
-    )
+    results = estimate_step_advantages(batch, **estimator_settings(cfg), values=values, kl_penalty=penalty)
     ref_of = {(r["episode_id"], r["step_idx"]): ref for r, ref in zip(rows, ref_logprobs or [None] * len(rows))}
     out = [
         {"run_id": run.run_id, "iteration": iteration, "episode_id": r.episode_id, "step_idx": r.step_idx,
@@ -134,6 +130,6 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
     record.commit({"advantages": uri})
     nonzero = sum(1 for r in results if any(a != 0.0 for a in r.advantages))
     log.info("iteration %d: %s advantages for %d steps (%d with a non-zero signal)%s%s", iteration, cfg.estimator,
-             len(results), nonzero, ", critic values" if values_fn else "",
+             len(results), nonzero, ", critic values" if values is not None else "",
              f", KL to the reference ({cfg.kl_estimator}, {'reward' if cfg.kl_in_reward else 'loss'})" if ref_logprobs else "")
     return uri

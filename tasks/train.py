@@ -85,6 +85,20 @@ def _train_inputs(run: RunLayout, iteration: int, steps_uri: str, advantages_uri
     return inputs
 
 
+def update_settings(cfg: TrainerConfig, algorithm: AlgorithmConfig, temperature: float | None) -> dict:
+    """The plain-number settings ``train_iteration`` takes from the configs (all but models, data,
+    pad id and seed): a KL in the reward was applied by the advantages stage, so it is no loss term."""
+    return dict(
+        epochs=cfg.epochs, mini_batches=cfg.mini_batches, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef,
+        kl_coef=0.0 if algorithm.kl_in_reward else algorithm.kl_coef, kl_estimator=algorithm.kl_estimator,
+        value_clip=cfg.value_clip, max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
+        temperature=temperature or 1.0, agg_mode=cfg.loss_agg_mode, use_loss_mask=algorithm.use_loss_mask,
+        use_advantage_mask=algorithm.use_advantage_mask, recompute_old_logprobs=cfg.recompute_old_logprobs,
+        max_logit_elements=cfg.micro_batch_logits,
+    )
+
+
 @stage_task(name="train")
 def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, policy_dir: str,
                  cfg: TrainerConfig, algorithm: AlgorithmConfig, temperature: float, total_steps: int = 0,
@@ -115,13 +129,7 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
         critic, critic_optimizer = _critic_and_optimizer(run, iteration, policy_dir, cfg)
     results = train_iteration(
         model, optimizer, sequences, critic=critic, critic_optimizer=critic_optimizer, scheduler=scheduler,
-        pad_id=tokenizer.pad_token_id, epochs=cfg.epochs, mini_batches=cfg.mini_batches, seed=iteration,
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef,
-        kl_coef=0.0 if algorithm.kl_in_reward else algorithm.kl_coef, kl_estimator=algorithm.kl_estimator,
-        value_clip=cfg.value_clip, max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
-        temperature=temperature or 1.0, agg_mode=cfg.loss_agg_mode, use_loss_mask=algorithm.use_loss_mask,
-        use_advantage_mask=algorithm.use_advantage_mask, recompute_old_logprobs=cfg.recompute_old_logprobs,
-        max_logit_elements=cfg.micro_batch_logits,
+        pad_id=tokenizer.pad_token_id, seed=iteration, **update_settings(cfg, algorithm, temperature),
     )
     check_nonfinite_updates(results, iteration=iteration, max_consecutive=cfg.max_consecutive_nonfinite,
                             carried=_nonfinite_streak_before(run, iteration))

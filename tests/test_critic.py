@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import pytest
 import torch
 
 from agent_core.algos.losses import clipped_value_loss
+from agent_core.algos.step_advantages import StepRewardRow, prepare_episodes, score_on_grid
 from agent_core.io.checkpoints import save_policy
-from agent_core.training.batches import TrainSequence, make_micro_batches
+from agent_core.training.batches import TrainSequence, TrainStep, choose_layout, make_micro_batches
 from agent_core.io.critics import build_critic, load_critic, save_critic
 from agent_core.training.critic import ValueModel, score_logprobs, score_values, value_model_from_policy
 from agent_core.training.model import build_tiny_policy, build_tokenizer
-from agent_core.training.trainer import sequence_logprobs
+from agent_core.training.prepared import prepare_update
+from agent_core.training.trainer import sequence_logprobs, train_iteration
 
 TEXTS = ["the capital of france is paris", "<search>who wrote hamlet</search>", "<answer>shakespeare</answer>"] * 4
 
@@ -125,3 +130,67 @@ def test_batched_scoring_matches_one_sequence_at_a_time_and_restores_the_mode(po
             expected, _ = sequence_logprobs(policy, ids, torch.ones_like(ids), temperature=0.8)
             assert row_logprobs == pytest.approx(expected[0].tolist(), abs=1e-5)
             assert row_logprobs[0] == 0.0 and row_values[0] == 0.0
+
+
+# ------------------------------------------- value targets on response regions, critic contexts
+
+def append_only_steps():
+    """Three steps of one append-only episode: first prompt [5, 9], observations [60, 61] and [62]."""
+    contexts = [[5, 9], [5, 9, 44, 17, 60, 61], [5, 9, 44, 17, 60, 61, 3, 62]]
+    responses = [[44, 17], [3], [12, 13]]
+    return [TrainStep(c, r, [-1.0] * len(r), [0.5] * len(r), values=[0.1] * len(r), returns=[1.0] * len(r),
+                      obs_advantages=obs, obs_returns=obs, obs_values=obs)
+            for c, r, obs in zip(contexts, responses, [[0.3, 0.3], [0.2], None])]
+
+
+def critic_delta(policy, sequences):
+    critic = random_head(value_model_from_policy(policy), seed=2)
+    before = [p.detach().clone() for p in critic.parameters()]
+    model = copy.deepcopy(policy)
+    train_iteration(model, torch.optim.SGD(model.parameters(), lr=0.0), sequences, critic=critic,
+                    critic_optimizer=torch.optim.SGD(critic.parameters(), lr=1.0), pad_id=0, max_grad_norm=None,
+                    value_clip=None, use_loss_mask=True, use_advantage_mask=False)
+    return [p.detach() - b for p, b in zip(critic.parameters(), before)]
+
+
+def test_value_targets_exist_only_on_each_rows_response_region(policy):
+    rows = choose_layout([append_only_steps()], "step")
+    prep = prepare_update(rows, torch.device("cpu"), pad_id=0, micro_batch_tokens=4096, use_loss_mask=True,
+                          use_advantage_mask=False, norm_length=None)
+    [batch], [masks] = prep.batches, prep.masks
+    by_row = {index: masks.advantage_mask[row, : len(rows[index])].tolist() for row, index in enumerate(batch.indices)}
+    # step 0: its response; step 1: step 0's observation + its response; step 2: likewise. Never
+    # the first prompt, never the earlier actions in a step row's prompt (they have no target there)
+    assert by_row[0] == [0, 0, 1, 1]
+    assert by_row[1] == [0, 0, 0, 0, 1, 1, 1]
+    assert by_row[2] == [0, 0, 0, 0, 0, 0, 0, 1, 1, 1]
+    # the stored zeros on context positions are not targets: changing them moves nothing
+    base = critic_delta(policy, rows)
+    moved = [replace(r, returns=[9.0] * r.region_start + r.returns[r.region_start:]) for r in rows]
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(base, critic_delta(policy, moved)))
+    observation = lambda r: range(r.region_start, r.action_mask.index(1))  # noqa: E731  (prompt suffix)
+    suffix = [replace(r, returns=[9.0 if i in observation(r) else x for i, x in enumerate(r.returns)]) for r in rows]
+    assert not all(torch.allclose(a, b, atol=1e-7) for a, b in zip(base, critic_delta(policy, suffix)))
+
+
+def test_critic_values_come_from_the_context_each_action_was_generated_in(policy):
+    critic = random_head(value_model_from_policy(policy), seed=3)
+    # a last_k window: step 1's prompt drops step 0's response, so the episode's row (its
+    # responses back to back) is a context the policy never saw
+    windowed = [StepRewardRow("w", "g", 0, [5, 9], [44, 17], 0.0, 0.0),
+                StepRewardRow("w", "g", 1, [5, 9, 60, 61], [3, 12], 0.0, 1.0)]
+    packed = [StepRewardRow("p", "g", 0, [5, 9], [44], 0.0, 0.0),
+              StepRewardRow("p", "g", 1, [5, 9, 44, 62], [13], 0.0, 1.0)]
+    batch = prepare_episodes(windowed + packed, process_weight=1.0, process_norm="none")
+    seen = []
+
+    def score(contexts):
+        seen.extend(contexts)
+        return score_values(critic, contexts, 0, 4096)
+
+    grid = score_on_grid(batch, score)
+    assert seen == [[5, 9, 44, 17], [5, 9, 60, 61, 3, 12], [5, 9, 44, 62, 13]]
+    own = score_values(critic, [r.prompt_ids + r.response_ids for r in windowed + packed], 0, 4096)
+    assert grid[0, :4].tolist() == pytest.approx(own[0][2:] + own[1][4:], abs=1e-6)
+    # append-only: one pass over the row [44 | 62 | 13]; each action's value equals its own context's
+    assert grid[1, :3].tolist() == pytest.approx([own[2][2]] + own[3][3:], abs=1e-6)

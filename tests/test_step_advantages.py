@@ -10,6 +10,7 @@ from agent_core.algos.rewards import combine_rewards
 from agent_core.algos.step_advantages import (
     StepRewardRow,
     advantages_for_steps,
+    carry_into_observations,
     estimate_step_advantages,
     prepare_episodes,
 )
@@ -148,3 +149,43 @@ def test_entry_point_errors_name_the_episode_or_the_missing_critic():
     mixed = rows()[:3] + [StepRewardRow("b", "h", 1, [1], [3], 0.0, 0.0)]
     with pytest.raises(ValueError, match="episode 'b': steps disagree on group_id"):
         advantages_for_steps(mixed, estimator="grpo", use_advantage_mask=True, **SETTINGS)
+
+
+def test_loss_mask_off_gives_observations_the_advantage_of_the_action_they_follow():
+    common = dict(estimator="gae", values=lambda layout: torch.full(layout.token_rewards.shape, 0.25), **SETTINGS)
+    off = {(r.episode_id, r.step_idx): r
+           for r in advantages_for_steps(rows(), use_advantage_mask=True, use_loss_mask=False, **common)}
+    on = {(r.episode_id, r.step_idx): r for r in advantages_for_steps(rows(), use_advantage_mask=True, **common)}
+    for key in on:  # the loss mask is no input of the estimator
+        assert off[key].advantages == on[key].advantages and off[key].returns == on[key].returns
+    # a's step 0 response [10, 11], observation [90, 91]: the observation takes column 1's advantage
+    # (values 0.25, gamma = lam = 1: A_1 = 0.1 + 0.25 - 0.25 + A_4 = 0.1 + 0.75)
+    assert off["a", 0].advantages[-1] == pytest.approx(0.85)
+    assert off["a", 0].obs_advantages == pytest.approx([0.85, 0.85])
+    # no value targets there: the critic keeps to the advantage mask
+    assert off["a", 0].obs_returns is None and off["a", 0].obs_values is None
+    assert off["a", 1].obs_advantages is None and off["b", 0].obs_advantages is None
+
+
+def test_grpo_observations_carry_the_episode_advantage_with_the_loss_mask_off():
+    results = advantages_for_steps(rows(), estimator="grpo", use_advantage_mask=True, use_loss_mask=False, **SETTINGS)
+    by_step = {(r.episode_id, r.step_idx): r for r in results}
+    assert by_step["a", 0].obs_advantages == pytest.approx([0.6, 0.6])  # episode a's advantage (see above)
+
+
+def test_carry_into_observations_by_hand():
+    values = torch.tensor([[0.0, 2.0, 9.0, 9.0, 5.0, 9.0], [9.0, 3.0, 9.0, 0.0, 0.0, 0.0]])
+    action = torch.tensor([[0, 1, 0, 0, 1, 0], [0, 1, 0, 0, 0, 0]])
+    real = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    # before the first action: 0; observations: the last action's value; padding: 0
+    assert carry_into_observations(values, action, real).tolist() == [[0, 2, 2, 2, 5, 5], [0, 3, 3, 0, 0, 0]]
+
+
+def test_whitening_is_passed_to_the_estimator():
+    common = dict(estimator="gae", values=lambda layout: torch.zeros(layout.token_rewards.shape), **SETTINGS)
+    plain = [a for r in advantages_for_steps(rows(), use_advantage_mask=True, **common) for a in r.advantages]
+    white = [a for r in advantages_for_steps(rows(), use_advantage_mask=True, whiten=True, **common)
+             for a in r.advantages]
+    mean = sum(plain) / len(plain)
+    std = (sum((a - mean) ** 2 for a in plain) / (len(plain) - 1)) ** 0.5
+    assert white == pytest.approx([(a - mean) / (std + 1e-6) for a in plain], abs=1e-6)

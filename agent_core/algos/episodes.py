@@ -5,19 +5,21 @@ Row e is episode e, starting right after its FIRST prompt:
 - append-only episode (every step's prompt extends the previous prompt + response, DESIGN.md §2):
   step 0's response, its observation (the next prompt's new suffix: tool output and chat glue),
   step 1's response, ... , the last step's response. Observation columns exist, so the
-  advantage-mask-off ablation (DESIGN.md §3) can run the recursion through them.
+  advantage-mask-off ablation (DESIGN.md §3) can run the recursion through them and the
+  loss-mask-off ablation can give them advantages to train with.
 - any other episode (e.g. a last_k context window): the responses only, concatenated. Such an
-  episode has no observation columns, so its mask-off and mask-on grids are the same: the
-  advantage-mask ablation needs append-only contexts.
+  episode has no observation columns, so its mask-off and mask-on grids are the same: both mask
+  ablations act on append-only episodes only (a windowed episode trains as with the masks on,
+  except that whitening statistics see whatever the other episodes add).
 
 Each step's reward sits on its LAST ACTION token (the decision it rewards ended there). A step
 with an empty response has no token of its own: its reward goes to the last action token before
 it, and a non-zero reward with no action token before it is an error.
 
-To run a critic or reference model on the grid, run it on ``layout.row_context(e)`` (first prompt
-+ row): grid column j is sequence position ``len(layout.first_prompt_ids[e]) + j``, so the
-value of the state in which column j's token is chosen is the model output at position
-``len(first_prompt_ids[e]) + j - 1``.
+To run a critic on the grid, use ``agent_core.algos.step_advantages.score_on_grid``: it runs
+an append-only episode once on ``layout.row_context(e)`` (first prompt + row; grid column j is
+sequence position ``len(layout.first_prompt_ids[e]) + j``) and any other episode once per step
+on that step's own prompt + response, so every value comes from the context the policy saw.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import torch
+
+from agent_core.algos.masks import grid_advantage_mask
 
 
 @dataclass(frozen=True)
@@ -161,9 +165,9 @@ def build_episode_layout(episodes: Sequence[Sequence[EpisodeStep]]) -> EpisodeLa
 
 def advantage_mask(layout: EpisodeLayout, use_advantage_mask: bool) -> torch.Tensor:
     """The estimators' mask, float32 [E, T]: action tokens when on (default), every real token
-    (actions and observations) when off (the DESIGN.md §3 ablation)."""
-    chosen = layout.action_mask if use_advantage_mask else layout.real_mask
-    return chosen.to(torch.float32)
+    (actions and observations) when off (the DESIGN.md §3 ablation; built by
+    ``agent_core.algos.masks.grid_advantage_mask``)."""
+    return grid_advantage_mask(layout.action_mask, layout.real_mask, use_advantage_mask)
 
 
 def unpack(values: torch.Tensor, layout: EpisodeLayout) -> list[list[StepParts]]:

@@ -7,9 +7,22 @@ Two calls, so a caller can run a critic or reference model between them:
    and build the token grid (``agent_core.algos.episodes``).
 2. ``estimate_step_advantages(batch, ...)``: subtract an optional in-reward KL penalty, run the
    estimator under the advantage mask, and split the result back into one record per step,
-   aligned with its response tokens (and with its observation tokens when the mask is off).
+   aligned with its response tokens (and with its observation tokens when a mask is off).
 
-``advantages_for_steps`` does both in one call.
+``advantages_for_steps`` does both in one call; ``score_on_grid`` runs a critic on the grid.
+
+Observation tokens (append-only episodes; DESIGN.md §3):
+
+- advantage mask off: the estimator ran over them; they get its advantages, returns (the
+  critic's targets there) and values, stored as ``obs_advantages``, ``obs_returns``, ``obs_values``.
+- advantage mask on, loss mask off: the estimator skipped them, but the policy is trained on
+  them, so each carries the advantage of the action token it follows (the last action token
+  before it in the row): the episode's advantage for grpo / rloo / reinforce_pp_baseline, the
+  step's for step_gae, the advantage at the step's last action token for gae / reinforce_pp.
+  An observation is what the environment returned for that action, so it is credited like the
+  action. Only ``obs_advantages`` is stored (no value targets there: the critic keeps to the
+  advantage mask).
+- both masks on: nothing is stored.
 """
 
 from __future__ import annotations
@@ -42,9 +55,10 @@ class StepRewardRow:
 @dataclass(frozen=True)
 class StepAdvantage:
     """Per-token results of one step. advantages, returns, values align with its response_ids;
-    obs_* with the observation tokens after the response, set only when the advantage mask is
-    off and the step has observation tokens in the grid (None otherwise). values and obs_values
-    are None without a critic."""
+    obs_* with the observation tokens after the response, set only when the step has observation
+    tokens in the grid and a mask is off: obs_advantages when either is, obs_returns and
+    obs_values when the advantage mask is (module docstring); None otherwise. values and
+    obs_values are None without a critic."""
 
     episode_id: str
     step_idx: int
@@ -117,6 +131,39 @@ def _resolve_grid(name: str, source: GridSource, layout: EpisodeLayout) -> torch
     return grid
 
 
+def carry_into_observations(values: torch.Tensor, action_mask: torch.Tensor, real_mask: torch.Tensor) -> torch.Tensor:
+    """[E, T] -> [E, T]: action tokens keep their value; every other real token takes the value of
+    the last action token before it in its row (0 when there is none); padding 0."""
+    positions = torch.arange(values.shape[-1], device=values.device).expand_as(values)
+    last_action = torch.where(action_mask.to(torch.bool), positions, -1).cummax(dim=-1).values
+    carried = values.gather(-1, last_action.clamp(min=0))
+    return torch.where(real_mask.to(torch.bool) & (last_action >= 0), carried, torch.zeros_like(carried))
+
+
+def _step_records(batch: EpisodeBatch, advantages, returns, critic, *, observation_advantages: bool,
+                  observation_targets: bool) -> list[StepAdvantage]:
+    """One StepAdvantage per step from unpacked grids; obs_advantages only if observation_advantages,
+    obs_returns / obs_values only if observation_targets too (module docstring)."""
+    results = []
+    for e, steps in enumerate(batch.episode_steps):
+        for k, step in enumerate(steps):
+            has_observation = observation_advantages and bool(advantages[e][k].observation)
+            targets = has_observation and observation_targets
+            results.append(
+                StepAdvantage(
+                    episode_id=step.episode_id,
+                    step_idx=step.step_idx,
+                    advantages=advantages[e][k].response,
+                    returns=returns[e][k].response,
+                    values=critic[e][k].response if critic is not None else None,
+                    obs_advantages=advantages[e][k].observation if has_observation else None,
+                    obs_returns=returns[e][k].observation if targets else None,
+                    obs_values=critic[e][k].observation if targets and critic is not None else None,
+                )
+            )
+    return results
+
+
 def estimate_step_advantages(
     batch: EpisodeBatch,
     *,
@@ -126,15 +173,18 @@ def estimate_step_advantages(
     eps: float,
     norm_by_std: bool,
     use_advantage_mask: bool,
+    use_loss_mask: bool = True,
+    whiten: bool = False,
     values: GridSource = None,
     kl_penalty: GridSource = None,
 ) -> list[StepAdvantage]:
     """Run `estimator` on `batch` and split the result per step (episode order, then step order).
 
-    values: critic values [E, T] on the batch's grid, or a function of the layout returning them
-    (for gae / step_gae). kl_penalty: [E, T] (or a function of the layout), e.g. beta * KL
-    estimate per token, subtracted from the rewards on action tokens only (other entries are
-    ignored).
+    values: critic values [E, T] on the batch's grid (``score_on_grid``), or a function of the
+    layout returning them (for gae / step_gae). kl_penalty: [E, T] (or a function of the layout),
+    e.g. beta * KL estimate per token, subtracted from the rewards on action tokens only (other
+    entries are ignored). use_loss_mask: False stores observation advantages for the policy to
+    train with (module docstring). whiten: passed to the estimator (gae, step_gae).
     """
     layout = batch.layout
     value_grid = _resolve_grid("values", values, layout)
@@ -144,27 +194,44 @@ def estimate_step_advantages(
         token_rewards = token_rewards - penalty_grid.to(torch.float32) * layout.action_mask.to(torch.float32)
     output = compute_advantages(
         estimator, token_rewards, advantage_mask(layout, use_advantage_mask), batch.group_index, value_grid,
-        gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std, step_starts=layout.step_starts,
+        gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std, step_starts=layout.step_starts, whiten=whiten,
     )
-    advantages, returns = unpack(output.advantages, layout), unpack(output.returns, layout)
-    critic = unpack(value_grid, layout) if value_grid is not None else None
-    results = []
+    advantage_grid = output.advantages
+    if use_advantage_mask and not use_loss_mask:
+        advantage_grid = carry_into_observations(advantage_grid, layout.action_mask, layout.real_mask)
+    return _step_records(
+        batch, unpack(advantage_grid, layout), unpack(output.returns, layout),
+        unpack(value_grid, layout) if value_grid is not None else None,
+        observation_advantages=not (use_advantage_mask and use_loss_mask), observation_targets=not use_advantage_mask,
+    )
+
+
+def score_on_grid(batch: EpisodeBatch, score: Callable[[list[list[int]]], list[list[float]]]) -> torch.Tensor:
+    """A model's per-token outputs (a critic's values) on the batch's grid, float32 [E, T], each
+    column scored in the very context its token was generated in (DESIGN.md §2).
+
+    score(contexts) returns, per context, one float per token (position t: the output for token
+    t given the tokens before it, as ``agent_core.training.critic.score_values``).
+    An append-only episode is scored once, on its row context (first prompt + row): every step's
+    context is a prefix of it, and its observation columns get outputs too. Any other episode
+    (e.g. a last_k window) is scored once per step, on that step's own prompt + response, since
+    the concatenated responses of its row are a context the policy never saw.
+    """
+    layout = batch.layout
+    jobs = []  # (episode, first column, end column, context, position of the first column in it)
     for e, steps in enumerate(batch.episode_steps):
-        for k, step in enumerate(steps):
-            has_observation = not use_advantage_mask and bool(advantages[e][k].observation)
-            results.append(
-                StepAdvantage(
-                    episode_id=step.episode_id,
-                    step_idx=step.step_idx,
-                    advantages=advantages[e][k].response,
-                    returns=returns[e][k].response,
-                    values=critic[e][k].response if critic is not None else None,
-                    obs_advantages=advantages[e][k].observation if has_observation else None,
-                    obs_returns=returns[e][k].observation if has_observation else None,
-                    obs_values=critic[e][k].observation if has_observation and critic is not None else None,
-                )
-            )
-    return results
+        if layout.append_only[e]:
+            jobs.append((e, 0, layout.row_length(e), layout.row_context(e), len(layout.first_prompt_ids[e])))
+            continue
+        for step, span in zip(steps, layout.step_spans[e]):
+            if span.response_end > span.start:
+                context = [int(t) for t in step.prompt_ids] + [int(t) for t in step.response_ids]
+                jobs.append((e, span.start, span.response_end, context, len(step.prompt_ids)))
+    scored = score([job[3] for job in jobs]) if jobs else []
+    grid = torch.zeros(layout.token_rewards.shape, dtype=torch.float32)
+    for (e, start, end, _, offset), outputs in zip(jobs, scored):
+        grid[e, start:end] = torch.tensor(list(outputs[offset: offset + end - start]), dtype=torch.float32)
+    return grid
 
 
 def advantages_for_steps(
@@ -178,6 +245,8 @@ def advantages_for_steps(
     use_advantage_mask: bool,
     process_weight: float,
     process_norm: str,
+    use_loss_mask: bool = True,
+    whiten: bool = False,
     values: GridSource = None,
     kl_penalty: GridSource = None,
 ) -> list[StepAdvantage]:
@@ -186,5 +255,6 @@ def advantages_for_steps(
     batch = prepare_episodes(rows, process_weight=process_weight, process_norm=process_norm)
     return estimate_step_advantages(
         batch, estimator=estimator, gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std,
-        use_advantage_mask=use_advantage_mask, values=values, kl_penalty=kl_penalty,
+        use_advantage_mask=use_advantage_mask, use_loss_mask=use_loss_mask, whiten=whiten, values=values,
+        kl_penalty=kl_penalty,
     )
