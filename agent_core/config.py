@@ -28,7 +28,11 @@ class DataConfig(_Section):
     """The prompts and the corpus: the built-in synthetic multi-hop QA task (generated
     deterministically from `seed`), or a real dataset read from its native files.
 
-    synthetic: the num_* sizes and *_fraction mix shape the generated world and questions.
+    synthetic: the num_* sizes and *_fraction mix shape the generated world and questions. The
+    defaults are the demo's task: 2-hop bridge questions about 2,000 films and 2,000 people whose
+    one-syllable names are pairs from pools of 80 words, one passage per search (short contexts:
+    what the tiny policy can learn to copy from on 2 cores; docs/results.md). The harder mix (3-hop,
+    comparisons, namesakes, top_k 3) is a setting away.
     hotpotqa / 2wikimultihopqa / musique: `files` maps split names (train, dev, test) to native
     files (e.g. {train: hotpot_train_v1.1.json, dev: hotpot_dev_distractor_v1.json}); `setting` is
     HotpotQA / 2Wiki's distractor or fullwiki; `limit` keeps the first N questions of each file.
@@ -36,15 +40,19 @@ class DataConfig(_Section):
 
     source: Literal["synthetic", "hotpotqa", "2wikimultihopqa", "musique"] = "synthetic"
     seed: int = 0
-    num_films: int = Field(200, ge=4)
-    num_people: int = Field(120, ge=4)
+    num_films: int = Field(2000, ge=4)
+    num_people: int = Field(2000, ge=4)
     num_cities: int = Field(40, ge=2)
     num_countries: int = Field(12, ge=2)
     dev_fraction: float = Field(0.1, ge=0, lt=1)
     test_fraction: float = Field(0.1, ge=0, lt=1)
-    three_hop_fraction: float = Field(0.25, ge=0, lt=1, description="synthetic: share of 3-hop bridge questions")
-    comparison_fraction: float = Field(0.2, ge=0, lt=1, description="synthetic: share of comparison questions")
-    distractor_fraction: float = Field(0.3, ge=0, le=1, description="synthetic: share of namesake entities")
+    three_hop_fraction: float = Field(0.0, ge=0, lt=1, description="synthetic: share of 3-hop bridge questions")
+    comparison_fraction: float = Field(0.0, ge=0, lt=1, description="synthetic: share of comparison questions")
+    distractor_fraction: float = Field(0.0, ge=0, le=1, description="synthetic: share of namesake entities")
+    name_syllables: int = Field(1, ge=1, description="synthetic: syllables per name word")
+    name_pool: int = Field(
+        80, ge=0, description="synthetic: 0 = every name word used once; k = names are pairs of words from pools of k"
+    )
     split_by: Literal["key_people", "question"] = Field(
         "key_people", description="synthetic: held-out questions start from unseen people, or are unseen questions"
     )
@@ -53,7 +61,7 @@ class DataConfig(_Section):
     )
     setting: Literal["distractor", "fullwiki"] = "distractor"
     limit: int | None = Field(None, ge=1, description="real datasets: first N questions of each file")
-    top_k: int = Field(3, ge=1, description="passages returned by one search call")
+    top_k: int = Field(1, ge=1, description="passages returned by one search call")
     prompts_per_iteration: int = Field(16, ge=1, description="training prompts sampled per iteration")
 
     @model_validator(mode="after")
@@ -69,7 +77,8 @@ class PolicyConfig(_Section):
     """Where the initial policy comes from.
 
     tiny: a Llama-architecture model built from scratch with a BPE tokenizer trained on the task's
-    text (seconds). path: any local transformers checkpoint directory. smollm2: the
+    text (seconds), then pretrained to copy (`pretrain_steps`: ~90 s on 2 cores at the default size).
+    path: any local transformers checkpoint directory. smollm2: the
     SmolLM2-135M-Instruct directory made by `make smollm2` (or `path` if given).
     """
 
@@ -81,6 +90,11 @@ class PolicyConfig(_Section):
     num_heads: int = Field(4, ge=1)
     intermediate_size: int = Field(344, ge=8)
     seed: int = 0
+    pretrain_steps: int = Field(
+        1000, ge=0, description="tiny: steps of induction pretraining (copy a repeated token span) before the warm "
+        "start, the copying skill a pretrained model brings (agent_core/training/pretrain.py); 0 = none"
+    )
+    pretrain_lr: float = Field(1e-3, gt=0, description="tiny: learning rate of the induction pretraining")
 
 
 class VLLMConfig(_Section):
@@ -108,7 +122,7 @@ class RolloutConfig(_Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     group_size: int = Field(4, ge=1, description="samples per prompt (a GRPO group)")
     max_steps: int = Field(4, ge=1, description="LLM calls per episode before it is cut off")
-    max_new_tokens: int = Field(48, ge=1, description="tokens per action")
+    max_new_tokens: int = Field(24, ge=1, description="tokens per action")
     max_context_tokens: int = Field(1024, ge=16, description="context budget of an episode")
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -122,6 +136,10 @@ class RolloutConfig(_Section):
     env_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="merged over each prompt's env kwargs, e.g. {tool_format: hermes}"
     )
+    tool_instructions: bool = Field(
+        False, description="envs that take `instructions` (tool_env, search_qa) write the tool-call format into the "
+        "system prompt; off by default: the tiny policy learns the format from the warm start and copies better "
+        "in short contexts; turn on for a pretrained instruct policy. env_kwargs.instructions wins")
     env_workers: int = Field(8, ge=1, description="threads running env steps (tool calls) concurrently")
     straggler_wait_s: float = Field(2.0, ge=0, description="serial engine (hf): how long it waits, free, for pending tool calls before generating for the ready episodes (.inf: lock-step turns, seeded runs reproducible); concurrent engines (vllm) never wait")
 
@@ -215,7 +233,7 @@ class AlgorithmConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(5e-4, ge=0, description="0 makes no update (a dry run; the learning test's control)")
     weight_decay: float = Field(0.0, ge=0)
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
@@ -228,7 +246,7 @@ class TrainerConfig(_Section):
     )
     loss_agg_mode: str = "token-mean"
     epochs: int = Field(1, ge=1, description="passes over an iteration's data")
-    mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
+    mini_batches: int = Field(2, ge=1, description="optimizer steps per epoch")
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up")
     total_steps: int | None = Field(None, ge=1, description="decay horizon of linear/cosine (default: the run's)")
@@ -253,6 +271,9 @@ class TrainerConfig(_Section):
         return LOSS_AGG_MODES.check(name)
 
 
+_SOLVED_EPISODES = "select episode_id from rewards where em = 1"
+
+
 class WarmStartConfig(_Section):
     """Supervised warm start before RL: imitate selected episodes (DESIGN: agent_core/training/sft.py).
 
@@ -260,27 +281,46 @@ class WarmStartConfig(_Section):
     scripted agent solves `prompts` training prompts of the built-in task first (and answers
     `rag_prompts` in the naive_rag format). steps: the episodes of an existing steps table
     (`steps_uri`, with its rewards table next to it). select_sql picks the episodes (DuckDB over
-    views `steps` and `rewards`; must return episode_id).
+    views `steps` and `rewards`; must return episode_id); unset, every oracle episode (ideal and
+    lazy ones alike: the oracle plays what it is asked to) or, for source steps, the solved ones.
+
+    The defaults are the demo's recipe (docs/results.md): 4,000 oracle episodes, 60% of them lazy,
+    one epoch on the action tokens. A strong warm start would leave RL nothing visible to do; this
+    one copies names well but stops searching too early, which RL fixes within a few iterations.
     """
 
     enabled: bool = True
     source: Literal["oracle", "steps"] = "oracle"
-    prompts: int = Field(256, ge=1, description="oracle: training prompts solved by the scripted agent")
-    rag_prompts: int = Field(64, ge=0, description="oracle: training prompts answered in the naive_rag format too")
+    prompts: int = Field(4000, ge=1, description="oracle: training prompts solved by the scripted agent")
+    rag_prompts: int = Field(0, ge=0, description="oracle: training prompts answered in the naive_rag format too")
+    lazy_fraction: float = Field(
+        0.6, ge=0, le=1, description="oracle: share of the tool episodes that answer the bridge entity after one "
+        "search (agent_core/data/oracle.py): a weak warm start whose searching RL must fix; 0 = all ideal")
     steps_uri: str | None = Field(None, description="source steps: a steps.parquet with rewards.parquet beside it")
-    select_sql: str = "select episode_id from rewards where em = 1"
-    epochs: int = Field(3, ge=1)
+    select_sql: str | None = Field(None, description="episodes to imitate; unset: see the class docstring")
+    epochs: int = Field(1, ge=1)
     batch_size: int = Field(8, ge=1, description="sequences per optimizer step")
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(1e-3, gt=0, description="3e-3 left 2 of 4 seeds of the demo on a plateau (docs/results.md)")
     loss_on: Literal["actions", "all"] = Field(
-        "all", description="targets: the action tokens, or every token of the episode (language modelling)"
+        "actions", description="targets: the action tokens, or every token of the episode (language modelling)"
     )
 
     @model_validator(mode="after")
     def _steps_source_has_a_table(self) -> "WarmStartConfig":
         if self.source == "steps" and not self.steps_uri:
             raise ValueError("warm_start.source=steps needs warm_start.steps_uri (a steps.parquet)")
+        if (self.source == "oracle" and self.lazy_fraction > 0 and self.select_sql is not None
+                and " ".join(self.select_sql.split()) == _SOLVED_EPISODES):
+            raise ValueError("warm_start.lazy_fraction > 0 records lazy episodes with em 0, which this select_sql "
+                             "drops; leave warm_start.select_sql unset (every oracle episode) or set lazy_fraction: 0")
         return self
+
+    @property
+    def selection_sql(self) -> str:
+        """The SQL that picks the episodes to imitate (select_sql, or the source's default)."""
+        if self.select_sql is not None:
+            return self.select_sql
+        return "select episode_id from rewards" if self.source == "oracle" else _SOLVED_EPISODES
 
 
 class DevEvalConfig(_Section):
@@ -290,7 +330,7 @@ class DevEvalConfig(_Section):
 
     every: int = Field(1, ge=0, description="evaluate after every N-th iteration (and the last); 0 = never")
     split: Literal["train", "dev", "test"] = "dev"
-    prompts: int = Field(64, ge=1, description="prompts of the split evaluated (the first N)")
+    prompts: int = Field(200, ge=1, description="prompts of the split evaluated (the first N)")
 
 
 class TrackingConfig(_Section):
@@ -305,7 +345,7 @@ class PipelineConfig(_Section):
         default_factory=list, description="modules imported first; they register envs, tools, estimators ..."
     )
     data_root: str = "data"
-    iterations: int = Field(3, ge=1)
+    iterations: int = Field(12, ge=1)
     seed: int = 0
     data: DataConfig = DataConfig()
     policy: PolicyConfig = PolicyConfig()

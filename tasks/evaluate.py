@@ -57,7 +57,8 @@ def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float |
         greedy=greedy, temperature=rollout.temperature if temperature is None else temperature,
         max_new_tokens=rollout.max_new_tokens, max_steps=rollout.max_steps,
         max_context_tokens=rollout.max_context_tokens, top_k=config.data.top_k,
-        tool_format=rollout.env_kwargs.get("tool_format", "tag"), engine=rollout.engine,
+        tool_format=rollout.env_kwargs.get("tool_format", "tag"),
+        instructions=bool(rollout.env_kwargs.get("instructions", rollout.tool_instructions)), engine=rollout.engine,
         max_batch_size=rollout.max_batch_size, vllm=rollout.vllm.options(),
     )
 

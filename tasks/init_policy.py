@@ -7,7 +7,8 @@ from pathlib import Path
 
 from agent_core.config import PolicyConfig
 from agent_core.data.rows import row_to_document, row_to_prompt
-from agent_core.envs.formats import FORMATS
+from agent_core.types import Document
+from agent_core.envs.formats import FORMATS, ParsedCall
 from agent_core.envs.registry import EnvResources, env_kwarg_names, make_env
 from agent_core.envs.search import Bm25Index
 from agent_core.io.checkpoints import load_policy, save_policy
@@ -16,6 +17,7 @@ from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table
 from agent_core.io.critics import build_critic, save_critic
 from agent_core.training.model import build_tiny_policy, build_tokenizer, count_parameters
+from agent_core.training.pretrain import induction_pretrain
 from tasks._common import completed_outputs, stage_logger, stage_task
 from tasks.prepare_data import DatasetUris
 
@@ -23,17 +25,22 @@ DEFAULT_SMOLLM2_DIR = Path("data/models/smollm2-135m-instruct")
 _FIXED_TEXT_WEIGHT = 32  # copies of the tool instructions among the tokenizer's training texts
 
 
-def _tool_instructions(prompt_row: dict, corpus_rows: list[dict]) -> list[str]:
-    """The system prompts the dataset's env writes in every tool-call format it supports, so the
-    tokenizer learns the tool syntax too (it is not in the data)."""
+def _fixed_texts(prompt_row: dict, corpus_rows: list[dict]) -> list[str]:
+    """Text every episode repeats that is not in the data: the system prompts the dataset's env writes
+    in every tool-call format it supports (the tool syntax), the chat template's role names, and what
+    a search result looks like (the env's own rendering of one), so the tokenizer learns them too."""
     prompt = row_to_prompt(prompt_row)
     resources = EnvResources(search_index=Bm25Index([row_to_document(row) for row in corpus_rows]))
+    layout = EnvResources(search_index=Bm25Index([Document(f"d{i}", "xx", "xx") for i in range(3)]))
+    texts = ["system\n", "user\n", "assistant\n", "tool\n"]
     if "tool_format" not in env_kwarg_names(prompt.env_name):
-        return [m.content for m in make_env(prompt.env_name, prompt.env_kwargs, resources).reset(prompt)]
-    texts = []
+        return texts + [m.content for m in make_env(prompt.env_name, prompt.env_kwargs, resources).reset(prompt)]
     for name in FORMATS.names():
         env = make_env(prompt.env_name, {**prompt.env_kwargs, "tool_format": name}, resources)
         texts += [m.content for m in env.reset(prompt) if m.role == "system"]
+        if "search" in env.tools:  # the layout of a search result ("Doc 1 (title): text"), on placeholder docs
+            dummy = make_env(prompt.env_name, {**prompt.env_kwargs, "tool_format": name}, layout)
+            texts.append(dummy.step(dummy.format.format_calls([ParsedCall("search", {"query": "xx"})])).observation)
     return texts
 
 
@@ -55,12 +62,14 @@ def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig, resu
         texts += sorted({m["content"] for row in prompt_rows for m in json.loads(row["messages"])})
         # ... but the env's fixed text is in every episode's context, so it weighs as much as the
         # corpus: compressed to a few tokens it makes every training sequence shorter.
-        texts += _tool_instructions(prompt_rows[0], corpus_rows) * _FIXED_TEXT_WEIGHT
+        texts += _fixed_texts(prompt_rows[0], corpus_rows) * _FIXED_TEXT_WEIGHT
         tokenizer = build_tokenizer(texts, vocab_size=policy.vocab_size)
         model = build_tiny_policy(
             tokenizer, hidden_size=policy.hidden_size, num_layers=policy.num_layers, num_heads=policy.num_heads,
             intermediate_size=policy.intermediate_size, seed=policy.seed,
         )
+        if policy.pretrain_steps:
+            _pretrain(model, tokenizer, policy, log)
     else:
         if policy.source == "smollm2" and not source.exists():
             raise FileNotFoundError(f"SmolLM2 checkpoint not found at {source}: run `make smollm2` first")
@@ -69,6 +78,15 @@ def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig, resu
     log.info("initial policy (%s, %.2fM parameters, vocab %d) at %s",
              policy.source, count_parameters(model) / 1e6, len(tokenizer), target)
     return str(target)
+
+
+def _pretrain(model, tokenizer, policy: PolicyConfig, log) -> None:
+    special = set(tokenizer.all_special_ids)
+    ordinary = [i for i in range(len(tokenizer)) if i not in special]
+    result = induction_pretrain(model, ordinary, tokenizer.eos_token_id, steps=policy.pretrain_steps,
+                                lr=policy.pretrain_lr, seed=policy.seed, log=log, log_every=200)
+    log.info("induction pretraining: %d steps in %.0fs, copy accuracy %.2f (loss %.3f) over the last tenth",
+             result.steps, result.seconds, result.final_accuracy, result.final_loss)
 
 
 @stage_task(name="init_critic")

@@ -54,7 +54,7 @@ def load_dataset(data: DataConfig) -> SyntheticQA:
         num_countries=data.num_countries, dev_fraction=data.dev_fraction, test_fraction=data.test_fraction,
         top_k=data.top_k, three_hop_fraction=data.three_hop_fraction,
         comparison_fraction=data.comparison_fraction, distractor_fraction=data.distractor_fraction,
-        split_by=data.split_by,
+        split_by=data.split_by, name_syllables=data.name_syllables, name_pool=data.name_pool,
     )
 
 

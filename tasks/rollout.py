@@ -7,7 +7,7 @@ from pathlib import Path
 
 from agent_core.config import RolloutConfig
 from agent_core.data.rows import prompts_from_table
-from agent_core.envs.registry import EnvResources, make_env
+from agent_core.envs.registry import EnvResources, env_kwarg_names, make_env
 from agent_core.envs.search import Bm25Index
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.io.checkpoints import check_checkpoint, load_tokenizer
@@ -29,10 +29,15 @@ def engine_options(cfg: RolloutConfig) -> EngineOptions:
 
 
 def _env_of(prompt, cfg: RolloutConfig) -> tuple[str, dict]:
-    """The config's env replaces the prompt's (and its kwargs); config kwargs refine the prompt's own env."""
+    """The config's env replaces the prompt's (and its kwargs); config kwargs refine the prompt's own env.
+    An env that takes `instructions` gets `cfg.tool_instructions` unless the kwargs say otherwise."""
     if cfg.env is not None and cfg.env != prompt.env_name:
-        return cfg.env, dict(cfg.env_kwargs)
-    return prompt.env_name, {**prompt.env_kwargs, **cfg.env_kwargs}
+        name, kwargs = cfg.env, dict(cfg.env_kwargs)
+    else:
+        name, kwargs = prompt.env_name, {**prompt.env_kwargs, **cfg.env_kwargs}
+    if "instructions" not in kwargs and "instructions" in env_kwarg_names(name):
+        kwargs["instructions"] = cfg.tool_instructions
+    return name, kwargs
 
 
 def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConfig, *, seed: int,

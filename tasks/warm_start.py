@@ -41,7 +41,9 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     documents = read_corpus(dataset.corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
     tool_format = rollout.env_kwargs.get("tool_format", "tag")
-    engine = OracleEngine(tokenizer, prompts, tool_format=tool_format)
+    lazy = random.Random(f"warm-start-lazy:{seed}").sample(chosen, round(cfg.lazy_fraction * len(chosen)))
+    engine = OracleEngine(tokenizer, prompts, tool_format=tool_format,
+                          lazy_prompt_ids=frozenset(p.prompt_id for p in lazy))
     records = roll_out(engine, tokenizer, prompts, documents, rollout, seed=seed, policy_version=0,
                        episode_prefix=f"{run.run_id}-warm-", group_size=1)
     rag = random.Random(f"warm-start-rag:{seed}").sample(train, min(cfg.rag_prompts, len(train)))
@@ -54,8 +56,9 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     labelled = label_steps_table(steps_uri, answers, reward, run.run_id, 0, rewards_uri)
     record.commit({"steps": steps_uri, "rewards": rewards_uri})
     finals = [r.em for r in labelled if r.em is not None]
-    log.info("warm start: the oracle solved %d of %d episodes (%d tool episodes in the %s format, %d naive_rag "
-             "answers; %d steps)", sum(finals), len(finals), len(chosen), tool_format, len(rag), len(records))
+    log.info("warm start: the oracle solved %d of %d episodes (%d tool episodes in the %s format, %d of them lazy; "
+             "%d naive_rag answers; %d steps)", sum(finals), len(finals), len(chosen), tool_format, len(lazy), len(rag),
+             len(records))
     return steps_uri, rewards_uri
 
 
@@ -74,16 +77,16 @@ def _selected_episodes(steps_uri: str, rewards_uri: str, sql: str) -> list[list[
 @stage_task(name="warm_start")
 def warm_start(run: RunLayout, steps_uri: str, rewards_uri: str, cfg: WarmStartConfig, micro_batch_tokens: int,
                policy_dir: str, seed: int, resume: bool = True) -> str:
-    """Fine-tune the policy of `policy_dir` on the episodes `cfg.select_sql` picks; return where it is."""
+    """Fine-tune the policy of `policy_dir` on the episodes `cfg.selection_sql` picks; return where it is."""
     log = stage_logger("warm_start")
     record = StageRecord(run.manifest_path("warm_start"), "warm_start",
                          inputs={"steps": steps_uri, "rewards": rewards_uri, "policy": policy_dir},
                          params={"warm_start": cfg, "micro_batch_tokens": micro_batch_tokens, "seed": seed})
     if (done := completed_outputs(record, resume, "warm start")) is not None:
         return done["policy"]
-    episodes = _selected_episodes(steps_uri, rewards_uri, cfg.select_sql)
+    episodes = _selected_episodes(steps_uri, rewards_uri, cfg.selection_sql)
     if not episodes:
-        raise ValueError(f"warm start: {cfg.select_sql!r} selected no episode of {steps_uri}")
+        raise ValueError(f"warm start: {cfg.selection_sql!r} selected no episode of {steps_uri}")
     sequences = choose_layout(episodes, "auto")
     model, tokenizer = load_policy(Path(policy_dir))
     optimizer = make_optimizer(model, lr=cfg.lr)

@@ -147,9 +147,14 @@ def test_fractions_zero_give_only_two_hop_bridges():
     assert {(p.metadata["type"], p.metadata["hops"]) for p in task.prompts} == {("bridge", 2)}
 
 
-@pytest.mark.parametrize("seed", [0, 7])
-def test_every_question_follows_from_its_supporting_documents(seed):
-    task = generate_synthetic_qa(seed=seed)
+_POOLED = dict(num_films=100, num_people=80, num_cities=15, num_countries=5, name_pool=12)
+
+
+@pytest.mark.parametrize("seed, names", [(0, {}), (7, {}), (3, {**_POOLED, "name_syllables": 1}),
+                                         (3, {**_POOLED, "name_syllables": 2})])
+def test_every_question_follows_from_its_supporting_documents(seed, names):
+    task = generate_synthetic_qa(seed=seed, **names)
+    assert {p.metadata["type"] for p in task.prompts} == {"bridge", "comparison"}
     facts = read_facts(task.documents)
     assert all(facts.spouse[facts.spouse[person]] == person for person in facts.spouse)
     by_id = {d.doc_id: d for d in task.documents}

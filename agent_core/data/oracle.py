@@ -67,14 +67,20 @@ def oracle_plan(prompt: Prompt) -> tuple[tuple[str, ...], str]:
     return tuple(plan["queries"]), plan["answer"]
 
 
-def oracle_actions(prompt: Prompt, tool_format: str = "tag") -> list[str]:
+def oracle_actions(prompt: Prompt, tool_format: str = "tag", lazy: bool = False) -> list[str]:
     """The action texts of an ideal episode: one search per planned query, then the answer.
+
+    lazy: stop after the first search and answer the entity the plan searches next (the bridge: the
+    director of a film, a person's birth city), the classic multi-hop mistake of answering the
+    intermediate entity. A prompt with no bridge (a one-query plan, a comparison) is played ideally.
 
     In the tag format each value starts with a space (`<search> Ann Lee</search>`, which the parser
     strips): with a byte-level BPE " Ann" and "Ann" are different tokens, and the space makes a name
     in an action the same tokens as in the question and the passages, so a policy learns to copy it.
     """
     queries, answer = oracle_plan(prompt)
+    if lazy and len(queries) > 1 and prompt.metadata.get("type", "bridge") == "bridge":
+        queries, answer = queries[:1], queries[1]
     writer = _format(tool_format)
     lead = _LEADING_SPACE.get(tool_format, "")
     searches = [writer.format_calls([ParsedCall(SearchTool.name, {"query": lead + query})]) for query in queries]
@@ -90,9 +96,11 @@ def question_of(prompt: Prompt) -> str:
 
 
 class OracleEngine:
-    """An Engine that plays `oracle_actions` for every episode of `prompts` (see the module docstring)."""
+    """An Engine that plays `oracle_actions` for every episode of `prompts` (see the module docstring);
+    the prompts whose ids are in `lazy_prompt_ids` are played lazily (`oracle_actions(lazy=True)`)."""
 
-    def __init__(self, tokenizer, prompts: Sequence[Prompt], tool_format: str = "tag"):
+    def __init__(self, tokenizer, prompts: Sequence[Prompt], tool_format: str = "tag",
+                 lazy_prompt_ids: frozenset[str] = frozenset()):
         self.tokenizer = tokenizer
         self.tool_format = tool_format
         end_of_turn = eos_token_ids(tokenizer)[-1]  # <|im_end|> when distinct from eos: what ends a ChatML turn
@@ -100,7 +108,7 @@ class OracleEngine:
         for prompt in prompts:
             actions = tuple(
                 tuple(tokenizer.encode(text, add_special_tokens=False)) + (end_of_turn,)
-                for text in oracle_actions(prompt, tool_format)
+                for text in oracle_actions(prompt, tool_format, lazy=prompt.prompt_id in lazy_prompt_ids)
             )
             question = question_of(prompt)
             if self._actions.setdefault(question, actions) != actions:

@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass
 
 from agent_core.data.synthetic_questions import TEMPLATES, Question, bridge_questions, comparison_questions
-from agent_core.data.synthetic_world import World, WorldSizes, build_world, world_documents
+from agent_core.data.synthetic_world import NameStyle, World, WorldSizes, build_world, world_documents
 from agent_core.types import ChatMessage, Document, Prompt
 
 # Bump when the generated text changes, so a new generator never reuses an old dataset folder.
@@ -154,8 +154,11 @@ def _dataset_id(arguments: dict[str, float | int]) -> str:
 
 
 def _check_arguments(arguments: dict[str, float | int]) -> None:
-    minimums = {"num_films": 1, "num_people": 2, "num_cities": 1, "num_countries": 1, "top_k": 1}
+    minimums = {"num_films": 1, "num_people": 2, "num_cities": 1, "num_countries": 1, "top_k": 1,
+                "name_syllables": 1, "name_pool": 0}
     for name, minimum in minimums.items():
+        if name not in arguments:
+            continue
         if not isinstance(arguments[name], int) or arguments[name] < minimum:
             raise ValueError(f"generate_synthetic_qa: {name} must be an integer >= {minimum}, got {arguments[name]!r}")
     for name in ("dev_fraction", "test_fraction", "three_hop_fraction", "comparison_fraction"):
@@ -184,6 +187,8 @@ def generate_synthetic_qa(
     comparison_fraction: float = 0.2,
     distractor_fraction: float = 0.3,
     split_by: str = "key_people",
+    name_syllables: int = 2,
+    name_pool: int = 0,
 ) -> SyntheticQA:
     """Generate the task. Same arguments -> identical output (prompts, documents, order, ids).
 
@@ -194,6 +199,9 @@ def generate_synthetic_qa(
     split_by: "key_people" (the default; see the module docstring) or "question": a random split
         of the questions, so a held-out question is a combination of template and entities never
         seen in training, but its entities may be (a model can then answer from what it memorised).
+    name_syllables: syllables per name word. name_pool: 0 = every name word used once (namesakes
+        by distractor_fraction); k = people's and films' names are pairs of words from pools of k
+        words each (synthetic_world.py), so a large world needs few distinct words.
     """
     arguments = dict(
         seed=seed, num_films=num_films, num_people=num_people, num_cities=num_cities,
@@ -203,12 +211,15 @@ def generate_synthetic_qa(
     )
     if split_by not in SPLIT_MODES:
         raise ValueError(f"generate_synthetic_qa: split_by must be one of {', '.join(SPLIT_MODES)}, got {split_by!r}")
-    if split_by != "key_people":  # the default stays out of the id: existing datasets keep theirs
-        arguments["split_by"] = split_by
+    # Settings at their original defaults stay out of the id: existing datasets keep theirs.
+    for name, value, original in (("split_by", split_by, "key_people"), ("name_syllables", name_syllables, 2),
+                                  ("name_pool", name_pool, 0)):
+        if value != original:
+            arguments[name] = value
     _check_arguments(arguments)
     rng = random.Random(seed)
     sizes = WorldSizes(num_films, num_people, num_cities, num_countries)
-    world = build_world(rng, sizes, distractor_fraction, _RESERVED_WORDS)
+    world = build_world(rng, sizes, distractor_fraction, _RESERVED_WORDS, NameStyle(name_syllables, name_pool))
     labelled = _questions_by_split(world, arguments, rng)
     prompts = tuple(_prompt(n, seed, question, split, top_k) for n, (question, split) in enumerate(labelled))
     documents = tuple(Document(ref.doc_id, ref.title, text) for ref, text in world_documents(world))

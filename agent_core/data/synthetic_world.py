@@ -7,11 +7,22 @@ one short document per entity that states its facts.
 
 Names are built from a small, regular syllable inventory and never use an English word of the
 templates, so a tiny tokenizer trained on this text stays small. Every entity's full name is
-unique, but about `distractor_fraction` of the people and films are *namesakes*: a person who shares
-a first name or a surname with an earlier person, or a film whose title holds a person's surname
-("Dunmar Kelvo" next to "Tessa Dunmar"). A search on part of a name can therefore rank the wrong
-entity first, as on real corpora; a search on the full name still finds the entity's own page in
-the top 3 (its own page repeats both name words, others hold one).
+unique. Two ways to name them (`NameStyle`):
+
+- unique words (`pool_size=0`, the original style): every name word is used once in the world,
+  except that about `distractor_fraction` of the people and films are *namesakes*: a person who
+  shares a first name or a surname with an earlier person, or a film whose title holds a person's
+  surname ("Dunmar Kelvo" next to "Tessa Dunmar").
+- pooled words (`pool_size=k`): a person's name is a first name and a surname drawn from two pools
+  of k words each, a film's title two words from two pools of its own; only the pair is unique. A
+  world far larger than a model could memorise needs few words this way, and with one-syllable
+  words every name is two tokens of a small tokenizer, each of them seen in training in many
+  names; held-out people are new pairs of seen words. Namesakes come with the pools (about
+  num_people / k people share each first name), so `distractor_fraction` is not used.
+
+Either way a search on part of a name can rank the wrong entity first, as on real corpora; a search
+on the full name still finds the entity's own page in the top 3 (its own page repeats both name
+words, others hold one).
 """
 
 from __future__ import annotations
@@ -75,6 +86,15 @@ class WorldSizes:
     num_countries: int
 
 
+@dataclass(frozen=True)
+class NameStyle:
+    """How people and films are named (module docstring). syllables: per name word.
+    pool_size: 0 = every word used once; k = names are pairs of words from pools of k words."""
+
+    syllables: int = 2
+    pool_size: int = 0
+
+
 class _NameMaker:
     """Pronounceable made-up words, each used once in the world (case-insensitively)."""
 
@@ -111,42 +131,73 @@ def _marry(rng: random.Random, birth_cities: list[int], num_pairs: int) -> dict[
     return spouses
 
 
-def _person_names(rng: random.Random, names: _NameMaker, count: int, distractor_fraction: float) -> list[str]:
+def _person_names(rng: random.Random, names: _NameMaker, count: int, distractor_fraction: float,
+                  syllables: int) -> list[str]:
     """Two-word names; a namesake keeps an earlier person's first name or surname in its place."""
     person_names: list[str] = []
     for _ in range(count):
         if person_names and rng.random() < distractor_fraction:
             first, surname = rng.choice(person_names).split()
-            person_names.append(f"{first} {names.word(2)}" if rng.random() < 0.5 else f"{names.word(2)} {surname}")
+            person_names.append(
+                f"{first} {names.word(syllables)}" if rng.random() < 0.5 else f"{names.word(syllables)} {surname}"
+            )
         else:
-            person_names.append(f"{names.word(2)} {names.word(2)}")
+            person_names.append(f"{names.word(syllables)} {names.word(syllables)}")
     return person_names
 
 
-def _film_title(rng: random.Random, names: _NameMaker, person_names: list[str], distractor_fraction: float) -> str:
+def _pooled_names(rng: random.Random, pools: tuple[list[str], list[str]], count: int) -> list[str]:
+    """`count` distinct "first second" names, each word drawn from its pool."""
+    capacity = len(pools[0]) * len(pools[1])
+    if count > capacity:
+        raise ValueError(f"{count} names cannot be made from word pools of {len(pools[0])} x {len(pools[1])}; "
+                         "ask for a smaller world or a larger name pool")
+    chosen: set[str] = set()
+    names = []
+    while len(names) < count:
+        name = f"{rng.choice(pools[0])} {rng.choice(pools[1])}"
+        if name not in chosen:
+            chosen.add(name)
+            names.append(name)
+    return names
+
+
+def _word_pools(names: "_NameMaker", style: NameStyle) -> tuple[list[str], list[str]]:
+    return tuple([names.word(style.syllables) for _ in range(style.pool_size)] for _ in range(2))
+
+
+def _film_title(rng: random.Random, names: _NameMaker, person_names: list[str], distractor_fraction: float,
+                syllables: int) -> str:
     if rng.random() < distractor_fraction:
         surname = rng.choice(person_names).split()[1]
-        return f"{surname} {names.word(2)}" if rng.random() < 0.5 else f"{names.word(2)} {surname}"
-    return f"{names.word(2)} {names.word(2)}"
+        return f"{surname} {names.word(syllables)}" if rng.random() < 0.5 else f"{names.word(syllables)} {surname}"
+    return f"{names.word(syllables)} {names.word(syllables)}"
 
 
-def build_world(rng: random.Random, sizes: WorldSizes, distractor_fraction: float, reserved_words: Collection[str]) -> World:
+def build_world(rng: random.Random, sizes: WorldSizes, distractor_fraction: float, reserved_words: Collection[str],
+                style: NameStyle = NameStyle()) -> World:
     names = _NameMaker(rng, reserved_words)
     countries = tuple(names.word(1, _COUNTRY_SUFFIXES) for _ in range(sizes.num_countries))
     cities = tuple(
         City(names.word(1, _CITY_SUFFIXES), rng.randrange(sizes.num_countries)) for _ in range(sizes.num_cities)
     )
-    person_names = _person_names(rng, names, sizes.num_people, distractor_fraction)
+    pooled_titles: list[str] = []
+    if style.pool_size:
+        person_names = _pooled_names(rng, _word_pools(names, style), sizes.num_people)
+        pooled_titles = _pooled_names(rng, _word_pools(names, style), sizes.num_films)
+    else:
+        person_names = _person_names(rng, names, sizes.num_people, distractor_fraction, style.syllables)
     birth_cities = [rng.randrange(sizes.num_cities) for _ in range(sizes.num_people)]
     spouses = _marry(rng, birth_cities, num_pairs=int(sizes.num_people * MARRIED_FRACTION) // 2)
     people = tuple(Person(name, birth_cities[i], spouses.get(i)) for i, name in enumerate(person_names))
     films = tuple(
         Film(
-            _film_title(rng, names, person_names, distractor_fraction),
+            pooled_titles[i] if pooled_titles else _film_title(rng, names, person_names, distractor_fraction,
+                                                               style.syllables),
             rng.randint(FIRST_FILM_YEAR, LAST_FILM_YEAR),
             rng.randrange(sizes.num_people),
         )
-        for _ in range(sizes.num_films)
+        for i in range(sizes.num_films)
     )
     return World(films=films, people=people, cities=cities, countries=countries)
 

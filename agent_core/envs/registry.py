@@ -38,24 +38,26 @@ ENVS: Registry[EnvFactory] = Registry("env")
 def _make_tool_env(resources: EnvResources, *, tools: Sequence[str | Mapping[str, Any]] = ("calculator",),
                    tool_format: str = "hermes", invalid_action_penalty: float = 0.0, tool_error_penalty: float = 0.0,
                    tool_timeout_s: float = 10.0, max_calls_per_action: int = 4, max_result_chars: int = 4000,
-                   max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE) -> ToolEnv:
+                   max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE,
+                   instructions: bool = True) -> ToolEnv:
     """Any registered tools in any format. tools: names, or {"name": ..., "kwargs": {...}} entries.
-    The other kwargs are ToolEnv's (budgets, timeout, result size, penalties)."""
+    The other kwargs are ToolEnv's (budgets, timeout, result size, penalties, instructions)."""
     check_tool_entries(tools, "env 'tool_env'")
     built = [make_tool(name, dict(kwargs), resources) for name, kwargs in map(_tool_entry, tools)]
     return ToolEnv(built, tool_format, chat=resources.chat, invalid_action_penalty=invalid_action_penalty,
                    tool_error_penalty=tool_error_penalty, tool_timeout_s=tool_timeout_s,
                    max_calls_per_action=max_calls_per_action, max_result_chars=max_result_chars,
-                   max_tool_calls_per_episode=max_tool_calls_per_episode)
+                   max_tool_calls_per_episode=max_tool_calls_per_episode, instructions=instructions)
 
 
 @ENVS.register("search_qa")
 def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str = "tag",
                     invalid_action_penalty: float = 0.0, tool_error_penalty: float = 0.0,
                     tool_timeout_s: float = 10.0, max_result_chars: int = 4000,
-                    max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE) -> ToolEnv:
+                    max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE,
+                    instructions: bool = True) -> ToolEnv:
     """Multi-hop QA (Search-R1 / Agent-R1): the `search` tool over the corpus, then `<answer>`.
-    The other kwargs are ToolEnv's (budgets, timeout, result size, penalties)."""
+    The other kwargs are ToolEnv's (budgets, timeout, result size, penalties, instructions)."""
     if resources.search_index is None:
         raise ValueError(
             "env 'search_qa' needs a corpus to search: EnvResources.search_index is None "
@@ -64,7 +66,8 @@ def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str
     search = make_tool("search", {"top_k": top_k}, resources)
     return ToolEnv([search], tool_format, chat=resources.chat, invalid_action_penalty=invalid_action_penalty,
                    tool_error_penalty=tool_error_penalty, tool_timeout_s=tool_timeout_s,
-                   max_result_chars=max_result_chars, max_tool_calls_per_episode=max_tool_calls_per_episode)
+                   max_result_chars=max_result_chars, max_tool_calls_per_episode=max_tool_calls_per_episode,
+                   instructions=instructions)
 
 
 def env_kwarg_names(name: str) -> list[str]:

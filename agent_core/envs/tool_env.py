@@ -69,12 +69,17 @@ class ToolEnv:
         episode run tools without end. The default, 16, is max_steps x max_calls_per_action at the
         rollout defaults (4 x 4): it binds only once an episode may take more steps than that.
     max_result_chars: each tool result is cut to this many characters (marked).
+    instructions: add the format's tool instructions to the system message (default). Off, the
+        policy sees only the prompt's own messages (nor does a chat template that could list the
+        tools get them): for a from-scratch policy that learns the format
+        from demonstrations, where ~100 tokens of instructions in every context only slow it down.
     """
 
     def __init__(self, tools: Sequence[Tool], tool_format: str = "tag", *, chat: ChatCapabilities = ChatCapabilities(),
                  invalid_action_penalty: float = 0.0, tool_error_penalty: float = 0.0, tool_timeout_s: float = 10.0,
                  max_calls_per_action: int = 4, max_result_chars: int = 4000,
-                 max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE):
+                 max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE,
+                 instructions: bool = True):
         names = [tool.name for tool in tools]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
@@ -90,7 +95,7 @@ class ToolEnv:
         self.tool_specs = [tool.spec() for tool in tools]
         self.format = build_format(tool_format, self.tool_specs)
         self.chat = chat
-        uses_template = tool_format == "hermes" and chat.tools_in_template and bool(self.tool_specs)
+        uses_template = instructions and tool_format == "hermes" and chat.tools_in_template and bool(self.tool_specs)
         self.tools_for_template = self.tool_specs if uses_template else None
         self.observation_role = "tool" if tool_format == "hermes" and chat.tool_role else "user"
         self.invalid_action_penalty = float(invalid_action_penalty)
@@ -99,10 +104,13 @@ class ToolEnv:
         self.max_calls_per_action = max_calls_per_action
         self.max_result_chars = max_result_chars
         self.max_tool_calls_per_episode = max_tool_calls_per_episode
+        self.instructions = instructions
         self.calls_run = 0  # in this episode, counted against max_tool_calls_per_episode
 
     def reset(self, prompt: Prompt) -> tuple[ChatMessage, ...]:
         self.calls_run = 0
+        if not self.instructions:
+            return tuple(prompt.messages)
         if self.tools_for_template is not None:  # the template lists the tools; say how to answer
             return add_instructions(prompt.messages, self.format.answer_instructions)
         return add_instructions(prompt.messages, self.format.system_prompt(self.tool_specs))

@@ -57,7 +57,8 @@ class EvalSettings:
 
     greedy: temperature 0 (then `temperature` is unused); otherwise sample at `temperature` with
     `seed`. top_k: passages per retrieval (naive_rag's one retrieval, and each search call).
-    tool_format: the search_qa env's tool-call format. engine: a name in the ENGINES registry.
+    tool_format: the search_qa env's tool-call format. instructions: whether the env adds its tool
+    instructions to the system message (as in training). engine: a name in the ENGINES registry.
     """
 
     seed: int = 0
@@ -68,6 +69,7 @@ class EvalSettings:
     max_context_tokens: int = 1024
     top_k: int = 3
     tool_format: str = "tag"
+    instructions: bool = True
     engine: str = "hf"
     max_batch_size: int = 64
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
@@ -167,7 +169,7 @@ def tool_agent_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], do
     """One agent-loop episode per prompt in the search_qa env; scored on its final answer."""
     chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
     resources = EnvResources(search_index=Bm25Index(documents), chat=chat)
-    env_kwargs = {"top_k": settings.top_k, "tool_format": settings.tool_format}
+    env_kwargs = {"top_k": settings.top_k, "tool_format": settings.tool_format, "instructions": settings.instructions}
     loop = LoopSettings(group_size=1, max_steps=settings.max_steps, max_context_tokens=settings.max_context_tokens,
                         policy_version=0, episode_prefix="eval-")
     records = run_episodes(engine, tokenizer, prompts, lambda _: make_env("search_qa", env_kwargs, resources),
