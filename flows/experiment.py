@@ -47,14 +47,17 @@ def _setup(base, exp: ExperimentConfig, warm_policy: str) -> list[str]:
     where = Path(warm_policy).resolve().relative_to(Path(base.data_root).resolve())
     return [
         f"policy: tiny Llama from scratch ({base.policy.num_layers} layers x {base.policy.hidden_size} hidden, "
-        f"BPE vocab {base.policy.vocab_size}); warm start on {ws.prompts} scripted tool episodes + {ws.rag_prompts} "
-        f"naive_rag-format answers (training prompts; {ws.epochs} epochs, lr {ws.lr}, loss on {ws.loss_on} tokens) "
-        f"-> `<data root>/{where}`; Naive RAG and Base Tool Call are this policy",
+        f"BPE vocab {base.policy.vocab_size}), {base.policy.pretrain_steps} steps of induction pretraining; warm "
+        f"start on {ws.prompts} scripted tool episodes ({ws.lazy_fraction:.0%} of them lazy: one search, then the "
+        f"bridge entity as the answer) + {ws.rag_prompts} naive_rag-format answers (training prompts; {ws.epochs} "
+        f"epochs, lr {ws.lr}, loss on {ws.loss_on} tokens) -> `<data root>/{where}`; Naive RAG and Base Tool Call "
+        f"are this policy",
         f"data: built-in synthetic multi-hop QA (seed {base.data.seed}, {base.data.num_films} films, "
-        f"{base.data.num_people} people; 3-hop {base.data.three_hop_fraction}, comparison "
-        f"{base.data.comparison_fraction}), search top_k {base.data.top_k}",
+        f"{base.data.num_people} people, names from pools of {base.data.name_pool}; 3-hop "
+        f"{base.data.three_hop_fraction}, comparison {base.data.comparison_fraction}), search top_k {base.data.top_k}",
         f"RL per arm: {base.iterations} iterations x {base.data.prompts_per_iteration} prompts x "
-        f"{base.rollout.group_size} samples, max {base.rollout.max_steps} steps, lr {base.trainer.lr}",
+        f"{base.rollout.group_size} samples, max {base.rollout.max_steps} steps, lr {base.trainer.lr}, "
+        f"{base.trainer.mini_batches} updates per iteration",
         f"evaluation: {exp.eval_split} split, {'greedy' if exp.eval_greedy else f'sampled (T={base.rollout.temperature})'}, "
         f"seeds 0..{exp.eval_seeds - 1}" + (f", first {exp.eval_limit} prompts" if exp.eval_limit else ""),
     ]
@@ -100,5 +103,6 @@ def experiment(exp: ExperimentConfig, config_dir: str, data_root: str, command: 
     setup = [*_setup(base, exp, warm_policy),
              f"warm-started policy, greedy EM on the first {on_train.prompts} training prompts: {train_em:.3f} "
              f"(on the dev prompts: the iteration-0 points of the dev EM plot)"]
-    page = experiment_report(exp, data_root, experiment_id, evaluation.table_uris, curves, command, wall, setup)
+    notes = str(Path(config_dir) / exp.notes_path) if exp.notes_path else None
+    page = experiment_report(exp, data_root, experiment_id, evaluation.table_uris, curves, command, wall, setup, notes)
     return ExperimentResult(experiment_id, page, evaluation.markdown, wall)

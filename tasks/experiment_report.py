@@ -35,11 +35,20 @@ def _titled(markdown: str, titles: dict[str, str]) -> str:
     return markdown
 
 
+def _notes(path: str | None) -> str:
+    if path is None:
+        return ""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"experiment notes_path not found: {path} (relative to the experiment file)")
+    return Path(path).read_text()
+
+
 @stage_task(name="experiment_report")
 def experiment_report(exp: ExperimentConfig, data_root: str, experiment_id: str, eval_uris: list[str],
-                      curves: dict[str, ArmCurve], command: str, wall_seconds: float, setup: list[str]) -> str:
-    """Write the plots and the results page (exp.report_path, exp.plots_dir), log both and the final
-    scores to MLflow; return the page's path."""
+                      curves: dict[str, ArmCurve], command: str, wall_seconds: float, setup: list[str],
+                      notes_path: str | None = None) -> str:
+    """Write the plots and the results page (exp.report_path, exp.plots_dir; `notes_path`'s markdown
+    appended), log both and the final scores to MLflow; return the page's path."""
     log = stage_logger("experiment_report")
     report = eval_report(pa.concat_tables([read_table("eval", uri) for uri in eval_uris]))
     titles = {**BASELINE_TITLES, **{arm.name: arm.title for arm in exp.arms}}
@@ -64,7 +73,8 @@ def experiment_report(exp: ExperimentConfig, data_root: str, experiment_id: str,
     # The page gets committed: no machine paths (the command's --data-root, a plot outside the page's folder)
     text = portable(results_markdown(exp, command=command, wall_seconds=wall_seconds,
                                      eval_table=_titled(report.markdown(), titles), checks=checks, curves=curves,
-                                     plots=relative, setup=setup), {"data root": data_root})
+                                     plots=relative, setup=setup, notes=_notes(notes_path)),
+                    {"data root": data_root})
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text(text)
 

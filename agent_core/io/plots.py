@@ -14,6 +14,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+# Curves of several arms often coincide (same start, same score): each gets its own marker, line
+# style and a small horizontal offset, so no series hides another.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+_LINESTYLES = ("-", "--", "-.", ":")
 
 
 def _save(figure, path: Path) -> Path:
@@ -28,12 +34,19 @@ def _save(figure, path: Path) -> Path:
 
 def plot_curves(curves: Mapping[str, Sequence[tuple[int, float]]], *, title: str, ylabel: str, path: Path,
                 xlabel: str = "iteration") -> Path:
-    """One line per name: (iteration, value) points, e.g. dev EM per iteration for each algorithm."""
+    """One line per name: (iteration, value) points, e.g. dev EM per iteration for each algorithm.
+
+    Iterations are whole numbers, so the x axis has integer ticks only.
+    """
     figure, axis = plt.subplots(figsize=(7, 4))
-    for name, points in sorted(curves.items()):
-        if points:
-            xs, ys = zip(*sorted(points))
-            axis.plot(xs, ys, marker="o", label=name)
+    drawn = [(name, points) for name, points in sorted(curves.items()) if points]
+    spread = 0.15 if len(drawn) > 1 else 0.0
+    for k, (name, points) in enumerate(drawn):
+        xs, ys = zip(*sorted(points))
+        shift = spread * (k / (len(drawn) - 1) - 0.5) if len(drawn) > 1 else 0.0
+        axis.plot([x + shift for x in xs], ys, marker=_MARKERS[k % len(_MARKERS)],
+                  linestyle=_LINESTYLES[k % len(_LINESTYLES)], markersize=5, alpha=0.85, label=name)
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.set_xlabel(xlabel)
     axis.set_ylabel(ylabel)
     axis.set_title(title)
