@@ -21,7 +21,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/agentr1 demo --data-root $(DATA_ROOT)
 
-# The paper's experiment at CPU scale (about 30 minutes on 2 cores): writes docs/results.md and docs/results/*.png.
+# The paper's experiment at CPU scale (about 17 minutes on 2 cores): writes docs/results.md and docs/results/*.png.
 experiment: $(STAMP)
 	$(VENV)/bin/agentr1 experiment --data-root $(DATA_ROOT)
 

@@ -284,7 +284,7 @@ class WarmStartConfig(_Section):
     views `steps` and `rewards`; must return episode_id); unset, every oracle episode (ideal and
     lazy ones alike: the oracle plays what it is asked to) or, for source steps, the solved ones.
 
-    The defaults are the demo's recipe (docs/results.md): 4,000 oracle episodes, 60% of them lazy,
+    The defaults are the demo's recipe (docs/results.md): 4,000 oracle episodes, 75% of them lazy,
     one epoch on the action tokens. A strong warm start would leave RL nothing visible to do; this
     one copies names well but stops searching too early, which RL fixes within a few iterations.
     """
@@ -294,7 +294,7 @@ class WarmStartConfig(_Section):
     prompts: int = Field(4000, ge=1, description="oracle: training prompts solved by the scripted agent")
     rag_prompts: int = Field(0, ge=0, description="oracle: training prompts answered in the naive_rag format too")
     lazy_fraction: float = Field(
-        0.6, ge=0, le=1, description="oracle: share of the tool episodes that answer the bridge entity after one "
+        0.75, ge=0, le=1, description="oracle: share of the tool episodes that answer the bridge entity after one "
         "search (agent_core/data/oracle.py): a weak warm start whose searching RL must fix; 0 = all ideal")
     steps_uri: str | None = Field(None, description="source steps: a steps.parquet with rewards.parquet beside it")
     select_sql: str | None = Field(None, description="episodes to imitate; unset: see the class docstring")

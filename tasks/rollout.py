@@ -7,7 +7,7 @@ from pathlib import Path
 
 from agent_core.config import RolloutConfig
 from agent_core.data.rows import prompts_from_table
-from agent_core.envs.registry import EnvResources, env_kwarg_names, make_env
+from agent_core.envs.registry import ENVS, EnvResources, env_kwarg_names, make_env
 from agent_core.envs.search import Bm25Index
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.io.checkpoints import check_checkpoint, load_tokenizer
@@ -35,7 +35,7 @@ def _env_of(prompt, cfg: RolloutConfig) -> tuple[str, dict]:
         name, kwargs = cfg.env, dict(cfg.env_kwargs)
     else:
         name, kwargs = prompt.env_name, {**prompt.env_kwargs, **cfg.env_kwargs}
-    if "instructions" not in kwargs and "instructions" in env_kwarg_names(name):
+    if "instructions" not in kwargs and name in ENVS.names() and "instructions" in env_kwarg_names(name):
         kwargs["instructions"] = cfg.tool_instructions
     return name, kwargs
 

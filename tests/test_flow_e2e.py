@@ -92,7 +92,8 @@ def test_rerun_rollout_in_the_hermes_format_with_a_context_window(trained):
     _, _, root = trained
     run = root.run("e2e")
     rerun_stage(str(root.path), "e2e", 0, "rollout",
-                ["rollout.env_kwargs={tool_format: hermes}", "rollout.context_mode=last_k", "rollout.keep_last_turns=1",
+                ["rollout.env_kwargs={tool_format: hermes}", "rollout.tool_instructions=true",
+                 "rollout.context_mode=last_k", "rollout.keep_last_turns=1",
                  "rollout.max_context_tokens=2048"])
     steps = read_table("steps", run.table_uri(0, "steps")).to_pylist()
     first = next(s for s in steps if s["step_idx"] == 0)

@@ -2,13 +2,17 @@
 must raise greedy dev EM on unseen entities by MIN_GAIN; the same RL from the same warm-started
 policy with `trainer.lr=0` must not (so the rise is the updates', not the evaluation's or the data's).
 
-MIN_GAIN is set below what every measured seed of the recipe gains (docs/results.md, "The demo's
-learning curve": seeds 0, 1 and 2), and far above the lr=0 control, which cannot move greedy EM.
-Slow (a few minutes on 2 cores): `make test-slow`.
+MIN_GAIN is well below what every measured seed of the recipe gains (docs/results.md, "The demo's
+learning curve": 0.985, 0.865 and 0.885 for seeds 0, 1, 2) and far above the lr=0 control, whose
+greedy EM cannot move.
+Slow (a few minutes on 2 cores): `make test-slow`. To see the check fail on a broken trainer, give
+the recipe run extra overrides: `LEARNING_TEST_SET="trainer.lr=0" pytest tests/test_learning.py`.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO = REPO_ROOT / "configs" / "demo.yaml"
-MIN_GAIN = 0.10
+MIN_GAIN = 0.5
 
 
 def _gain(result) -> float:
@@ -31,7 +35,8 @@ def _gain(result) -> float:
 @pytest.fixture(scope="module")
 def learned(tmp_path_factory):
     data_root = tmp_path_factory.mktemp("learning")
-    config = load_config(DEMO, [f"data_root={data_root}", "run_id=learns"])
+    extra = shlex.split(os.environ.get("LEARNING_TEST_SET", ""))  # e.g. trainer.lr=0: the check must fail
+    config = load_config(DEMO, [f"data_root={data_root}", "run_id=learns", *extra])
     return config, train(config)
 
 

@@ -188,7 +188,7 @@ def _run_with_tables(tmp_path: Path, iteration: int = 0) -> RunLayout:
 
 
 def _train(run: RunLayout, policy: Path, iteration: int = 0, **trainer) -> str:
-    cfg = TrainerConfig(micro_batch_tokens=64, **trainer)
+    cfg = TrainerConfig(**{"micro_batch_tokens": 64, "mini_batches": 1, **trainer})  # counts below assume 1 by default
     return train_policy.fn(run, iteration, run.table_uri(iteration, "steps"), run.table_uri(iteration, "advantages"),
                            str(policy), cfg, AlgorithmConfig(estimator="grpo"), 1.0)
 
