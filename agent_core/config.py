@@ -157,6 +157,11 @@ class RolloutConfig(_Section):
 
         return None if name is None else ENVS.check(name)
 
+    @property
+    def instructions(self) -> bool:
+        """Whether an env that takes `instructions` writes them: env_kwargs.instructions, else tool_instructions."""
+        return bool(self.env_kwargs.get("instructions", self.tool_instructions))
+
     @model_validator(mode="after")
     def _env_kwargs_fit_the_env(self) -> "RolloutConfig":
         from agent_core.envs.formats import FORMATS

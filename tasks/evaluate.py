@@ -58,7 +58,7 @@ def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float |
         max_new_tokens=rollout.max_new_tokens, max_steps=rollout.max_steps,
         max_context_tokens=rollout.max_context_tokens, top_k=config.data.top_k,
         tool_format=rollout.env_kwargs.get("tool_format", "tag"),
-        instructions=bool(rollout.env_kwargs.get("instructions", rollout.tool_instructions)), engine=rollout.engine,
+        instructions=rollout.instructions, engine=rollout.engine,
         max_batch_size=rollout.max_batch_size, vllm=rollout.vllm.options(),
     )
 

@@ -31,10 +31,10 @@ def _fixed_texts(prompt_row: dict, corpus_rows: list[dict]) -> list[str]:
     a search result looks like (the env's own rendering of one), so the tokenizer learns them too."""
     prompt = row_to_prompt(prompt_row)
     resources = EnvResources(search_index=Bm25Index([row_to_document(row) for row in corpus_rows]))
-    layout = EnvResources(search_index=Bm25Index([Document(f"d{i}", "xx", "xx") for i in range(3)]))
     texts = ["system\n", "user\n", "assistant\n", "tool\n"]
     if "tool_format" not in env_kwarg_names(prompt.env_name):
         return texts + [m.content for m in make_env(prompt.env_name, prompt.env_kwargs, resources).reset(prompt)]
+    layout = EnvResources(search_index=Bm25Index([Document(f"d{i}", "xx", "xx") for i in range(3)]))
     for name in FORMATS.names():
         env = make_env(prompt.env_name, {**prompt.env_kwargs, "tool_format": name}, resources)
         texts += [m.content for m in env.reset(prompt) if m.role == "system"]

@@ -36,7 +36,7 @@ def _env_of(prompt, cfg: RolloutConfig) -> tuple[str, dict]:
     else:
         name, kwargs = prompt.env_name, {**prompt.env_kwargs, **cfg.env_kwargs}
     if "instructions" not in kwargs and name in ENVS.names() and "instructions" in env_kwarg_names(name):
-        kwargs["instructions"] = cfg.tool_instructions
+        kwargs["instructions"] = cfg.instructions
     return name, kwargs
 
 

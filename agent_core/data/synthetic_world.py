@@ -162,7 +162,7 @@ def _pooled_names(rng: random.Random, pools: tuple[list[str], list[str]], count:
     return names
 
 
-def _word_pools(names: "_NameMaker", style: NameStyle) -> tuple[list[str], list[str]]:
+def _word_pools(names: _NameMaker, style: NameStyle) -> tuple[list[str], list[str]]:
     return tuple([names.word(style.syllables) for _ in range(style.pool_size)] for _ in range(2))
 
 

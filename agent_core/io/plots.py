@@ -40,10 +40,9 @@ def plot_curves(curves: Mapping[str, Sequence[tuple[int, float]]], *, title: str
     """
     figure, axis = plt.subplots(figsize=(7, 4))
     drawn = [(name, points) for name, points in sorted(curves.items()) if points]
-    spread = 0.15 if len(drawn) > 1 else 0.0
     for k, (name, points) in enumerate(drawn):
         xs, ys = zip(*sorted(points))
-        shift = spread * (k / (len(drawn) - 1) - 0.5) if len(drawn) > 1 else 0.0
+        shift = 0.15 * (k / (len(drawn) - 1) - 0.5) if len(drawn) > 1 else 0.0  # spread over 0.15 iterations
         axis.plot([x + shift for x in xs], ys, marker=_MARKERS[k % len(_MARKERS)],
                   linestyle=_LINESTYLES[k % len(_LINESTYLES)], markersize=5, alpha=0.85, label=name)
     axis.xaxis.set_major_locator(MaxNLocator(integer=True))
