@@ -1,8 +1,10 @@
-"""Pipeline configuration: frozen pydantic models loaded from YAML (DESIGN.md §4).
+"""Pipeline configuration: frozen pydantic models loaded from YAML (docs/architecture.md §4).
 
 Every section is `extra="forbid"`, and an unknown key anywhere fails at load time with the list of
-valid keys at that level; names of swappable parts (engine, scorer, estimator, ...) are checked
-against their registries, so a typo never survives to the middle of a run.
+valid keys at that level. Names of swappable parts (engine, scorer, estimator, ...) are checked
+against their registries by `agent_core.validation.check_names`, which every loader of a run's
+config calls once plugins are loaded (the registries live in the modules above this one, which
+this module does not import), so a typo never survives to the middle of a run.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agent_core.plugins import PluginError, load_plugins
 
@@ -111,11 +113,6 @@ class VLLMConfig(_Section):
     max_concurrent_calls: int = Field(8, ge=1, description="generate calls the agent loop keeps in flight")
     extra_args: tuple[str, ...] = Field((), description="more vLLM server flags, verbatim")
 
-    def options(self):
-        from agent_core.rollout.vllm_server import VLLMOptions
-
-        return VLLMOptions(**self.model_dump())
-
 
 class RolloutConfig(_Section):
     engine: str = "hf"
@@ -143,56 +140,26 @@ class RolloutConfig(_Section):
     env_workers: int = Field(8, ge=1, description="threads running env steps (tool calls) concurrently")
     straggler_wait_s: float = Field(2.0, ge=0, description="serial engine (hf): how long it waits, free, for pending tool calls before generating for the ready episodes (.inf: lock-step turns, seeded runs reproducible); concurrent engines (vllm) never wait")
 
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, name: str) -> str:
-        from agent_core.rollout.engines import ENGINES
-
-        return ENGINES.check(name)
-
-    @field_validator("env")
-    @classmethod
-    def _known_env(cls, name: str | None) -> str | None:
-        from agent_core.envs.registry import ENVS
-
-        return None if name is None else ENVS.check(name)
-
     @property
     def instructions(self) -> bool:
         """Whether an env that takes `instructions` writes them: env_kwargs.instructions, else tool_instructions."""
         return bool(self.env_kwargs.get("instructions", self.tool_instructions))
 
-    @model_validator(mode="after")
-    def _env_kwargs_fit_the_env(self) -> "RolloutConfig":
-        from agent_core.envs.formats import FORMATS
-        from agent_core.envs.registry import check_env_spec, check_tool_entries
-
-        if self.env is not None:
-            try:
-                check_env_spec(self.env, self.env_kwargs)  # keys, tool format and tool names
-            except ValueError as error:
-                raise ValueError(f"rollout.env_kwargs: {error}") from None
-        elif "tools" in self.env_kwargs:  # refines each prompt's env: its tools are still tool names
-            check_tool_entries(self.env_kwargs["tools"], "rollout.env_kwargs")
-        if "tool_format" in self.env_kwargs:
-            FORMATS.check(self.env_kwargs["tool_format"])
-        return self
-
 
 class RewardConfig(_Section):
+    """The scorer, and how process and outcome rewards combine into the reward trained on (done once,
+    at labelling: agent_core/rewards/combine.py)."""
+
     scorer: str = "qa_em"
     format_weight: float = Field(0.1, ge=0, description="bonus for a well-formed final answer")
-
-    @field_validator("scorer")
-    @classmethod
-    def _known_scorer(cls, name: str) -> str:
-        from agent_core.rewards.scorers import SCORERS
-
-        return SCORERS.check(name)
+    process_weight: float = Field(1.0, ge=0, description="weight of the (normalized) process rewards")
+    process_norm: Literal["none", "max_abs"] = Field(
+        "none", description="max_abs: scale process rewards by the batch's largest absolute process return"
+    )
 
 
 class AlgorithmConfig(_Section):
-    """Estimator, masks (DESIGN.md §3; what each does: agent_core/algos/masks.py) and the KL term."""
+    """Estimator, masks (docs/architecture.md §3; what each does: agent_core/algos/masks.py) and the KL term."""
 
     estimator: str = "grpo"
     norm_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
@@ -205,36 +172,9 @@ class AlgorithmConfig(_Section):
                                 "each with its own advantage (ablation)")
     use_advantage_mask: bool = Field(True, description="off = recursion and critic targets over observation tokens "
                                      "too (ablation; refused for grpo/rloo, where it changes nothing)")
-    process_reward_weight: float = Field(1.0, ge=0, description="weight of the (normalized) process rewards")
-    process_reward_norm: Literal["none", "max_abs"] = Field(
-        "none", description="max_abs: scale process rewards by the batch's largest absolute process return"
-    )
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the frozen initial policy (0 = off)")
     kl_estimator: str = Field("k3", description="k1, k2 or k3 (Schulman's low-variance estimator)")
     kl_in_reward: bool = Field(False, description="True: subtract the KL from the reward; False: a loss term")
-
-    @field_validator("estimator")
-    @classmethod
-    def _known_estimator(cls, name: str) -> str:
-        from agent_core.algos.advantages import ADVANTAGE_ESTIMATORS
-
-        return ADVANTAGE_ESTIMATORS.check(name)
-
-    @field_validator("kl_estimator")
-    @classmethod
-    def _known_kl_estimator(cls, name: str) -> str:
-        from agent_core.algos.kl import KL_ESTIMATORS
-
-        return KL_ESTIMATORS.check(name)
-
-    @model_validator(mode="after")
-    def _advantage_mask_can_matter(self) -> "AlgorithmConfig":
-        from agent_core.algos.estimator_core import estimator_ignores_advantage_mask
-
-        if not self.use_advantage_mask and estimator_ignores_advantage_mask(self.estimator):
-            raise ValueError(f"algorithm.use_advantage_mask=false changes nothing for estimator {self.estimator!r}: "
-                             "its advantage is the episode's score, a sum of rewards on action tokens either way")
-        return self
 
 
 class TrainerConfig(_Section):
@@ -250,6 +190,7 @@ class TrainerConfig(_Section):
         2**26, ge=2**16, description="cap on tokens x vocab per micro-batch (its fp32 logits and their copies bound memory)"
     )
     loss_agg_mode: str = "token-mean"
+    policy_loss: str = Field("ppo_clip", description="a registered policy loss (agent_core/algos/losses.py)")
     epochs: int = Field(1, ge=1, description="passes over an iteration's data")
     mini_batches: int = Field(2, ge=1, description="optimizer steps per epoch")
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -268,19 +209,12 @@ class TrainerConfig(_Section):
         "inputs, log-probs, loss or gradients; one more stops the run before its checkpoint is written (0: the first)"
     )
 
-    @field_validator("loss_agg_mode")
-    @classmethod
-    def _known_agg_mode(cls, name: str) -> str:
-        from agent_core.algos.losses import LOSS_AGG_MODES
-
-        return LOSS_AGG_MODES.check(name)
-
 
 _SOLVED_EPISODES = "select episode_id from rewards where em = 1"
 
 
 class WarmStartConfig(_Section):
-    """Supervised warm start before RL: imitate selected episodes (DESIGN: agent_core/training/sft.py).
+    """Supervised warm start before RL: imitate selected episodes (agent_core/training/sft.py).
 
     On by default: a from-scratch policy produces no reward at all without it. source oracle: a
     scripted agent solves `prompts` training prompts of the built-in task first (and answers
@@ -365,8 +299,9 @@ class PipelineConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _load_plugins_first(cls, data: Any) -> Any:
-        """Plugins register the names the other sections may use, so they load before those are
-        checked (also when Prefect validates a deployment's parameters in a worker)."""
+        """Plugins register the names the other sections may use, so they load whenever a config is
+        validated (also when Prefect validates a deployment's parameters in a worker), before
+        `agent_core.validation.check_names` looks those names up."""
         plugins = data.get("plugins") if isinstance(data, dict) else None
         if plugins:
             if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
@@ -425,7 +360,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def build_config(data: dict[str, Any], source: str = "config") -> PipelineConfig:
+def parse_config(data: dict[str, Any], source: str = "config") -> PipelineConfig:
+    """Validate `data` against the config models: keys, types and ranges; plugins are loaded. Registry
+    names are not checked here: a config for a run comes from `agent_core.validation`, which does."""
     _check_keys(PipelineConfig, data)
 
     try:

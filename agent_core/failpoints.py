@@ -36,7 +36,7 @@ def failpoint(name: str) -> None:
         return
     with _lock:
         _counts[name] = count = _counts.get(name, 0) + 1
-        if trace:
+        if trace:  # a test's append-only trace (AGENTR1_FAILPOINT_TRACE), not an output: written in place
             with open(trace, "a") as sink:
                 sink.write(name + "\n")
     if spec and _selects(spec, name, count):

@@ -151,7 +151,7 @@ def measurement(iterations: list[dict], setup_seconds: float) -> Measurement:
 
 def run_flow(args, data_root: Path, progress: Progress):
     """The training flow on `data_root`, instrumented; returns (per-iteration breakdowns, setup seconds)."""
-    from agent_core.io.configs import load_config
+    from agent_core.validation import load_config
     from flows.train import train
 
     overrides = [f"data_root={data_root}", "run_id=bench-overhead", f"iterations={args.iterations}",

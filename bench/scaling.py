@@ -1,6 +1,6 @@
 """Scaling: iteration time vs the number of episodes and vs steps per episode (should be ~linear).
 
-One iteration here = the rollout (`tasks.rollout.roll_out` with the hf engine: agent loop, search
+One iteration here = the rollout (`tasks._common.roll_out` with the hf engine: agent loop, search
 env, BM25) + one PPO update on its steps (`train_iteration`, layout "auto" = packed episodes),
 timed in-process with no Prefect/Parquet (bench/overhead.py measures those). Advantages are a
 synthetic +-1 per episode (the update's cost does not depend on their values). The policy is a
@@ -27,10 +27,11 @@ import time
 
 from agent_core.rollout.hf_engine import HFEngine
 from agent_core.training.batches import TrainStep, choose_layout
+from agent_core.training.settings import PPOSettings
 from agent_core.training.trainer import make_optimizer, train_iteration
 from bench.common import Goal, Measurement, Progress, base_parser, parse_args, write_result
 from bench.workload import POLICY_SIZES, fresh_copy, rollout_config, synthetic_task, tiny_policy
-from tasks.rollout import roll_out
+from tasks._common import roll_out
 
 NAME = "scaling"
 TITLE = "Scaling: iteration time vs episodes and vs steps per episode"
@@ -89,9 +90,9 @@ def one_iteration(base_model, tokenizer, task, args, episodes: int, steps: int) 
                        seed=args.seed, policy_version=0, episode_prefix="bench-")
     rollout_seconds = time.perf_counter() - started
     rows = choose_layout(train_steps(records, args.seed), "auto")
+    settings = PPOSettings(micro_batch_tokens=args.micro_batch_tokens)
     started = time.perf_counter()
-    train_iteration(model, make_optimizer(model, lr=3e-4), rows, pad_id=tokenizer.pad_token_id,
-                    micro_batch_tokens=args.micro_batch_tokens)
+    train_iteration(model, make_optimizer(model, lr=3e-4), rows, settings, pad_id=tokenizer.pad_token_id)
     train_seconds = time.perf_counter() - started
     return {"episodes": episodes, "max_steps": steps, "agent_steps": len(records),
             "generated_tokens": sum(len(r.response_ids) for r in records), "train_rows": len(rows),

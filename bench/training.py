@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from agent_core.training.batches import PaddedBatch, TrainSequence, choose_layout, make_micro_batches
+from agent_core.training.settings import PPOSettings
 from agent_core.training.trainer import make_optimizer, train_iteration
 from bench.common import Goal, Measurement, Progress, base_parser, parse_args, write_result
 from bench.workload import POLICY_SIZES, append_only_episodes, fresh_copy, synthetic_task, tiny_policy
@@ -97,6 +98,8 @@ class Arm:
         self.name, self.rows, self.pad_id, self.sizes, self.raw = name, rows, pad_id, sizes, raw
         self.model = fresh_copy(base_model)
         self.optimizer = make_optimizer(self.model, lr=LR)
+        self.settings = PPOSettings(clip_low=CLIP, clip_high=CLIP, max_grad_norm=MAX_GRAD_NORM,
+                                    micro_batch_tokens=sizes.micro_batch_tokens)
         self.batches = make_micro_batches(rows, max_tokens=sizes.micro_batch_tokens, pad_id=pad_id)
         self.action_tokens = float(sum(sum(r.action_mask) for r in rows))
         self.tokens = sum(len(r) for r in rows)
@@ -109,9 +112,8 @@ class Arm:
                 rows, max_tokens=self.sizes.micro_batch_tokens, pad_id=self.pad_id)
             raw_update(self.model, self.optimizer, batches, self.action_tokens)
         else:
-            train_iteration(self.model, self.optimizer, self.rows if rows is None else rows, pad_id=self.pad_id,
-                            seed=seed, clip_low=CLIP, clip_high=CLIP, max_grad_norm=MAX_GRAD_NORM,
-                            micro_batch_tokens=self.sizes.micro_batch_tokens)
+            train_iteration(self.model, self.optimizer, self.rows if rows is None else rows, self.settings,
+                            pad_id=self.pad_id, seed=seed)
 
     def timed_update(self, seed: int) -> float:
         started = time.perf_counter()

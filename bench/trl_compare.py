@@ -125,7 +125,7 @@ def build_tiny_model(target: Path) -> Path:
 def pipeline_config(model_dir: Path, data_root: Path, setting: Setting, engine: str = "hf",
                     iterations: int | None = None, run_id: str | None = None):
     """The single-turn GRPO setting as a pipeline config (plain config keys: no library change needed)."""
-    from agent_core.config import build_config
+    from agent_core.validation import build_config
 
     trainer = {"lr": setting.lr, "epochs": 1, "mini_batches": 1, "lr_schedule": "constant", "clip_low": 0.2,
                "clip_high": 0.2, "max_grad_norm": 1.0, "loss_agg_mode": "token-mean"}
@@ -207,7 +207,8 @@ def planned_prompts(config) -> list[dict]:
     from agent_core.envs.search import Bm25Index
     from agent_core.io.layout import DataRoot
     from agent_core.io.tables import read_table
-    from tasks.prepare_data import prepare_data, prepare_dataset, read_corpus
+    from tasks._common import read_corpus
+    from tasks.prepare_data import prepare_data, prepare_dataset
 
     run = DataRoot(Path(config.data_root)).run(config.run_id)
     dataset = prepare_dataset.fn(config.data_root, config.data)

@@ -1,7 +1,8 @@
 """`agentr1`: the command line. Sets up the embedded environment, then runs flows or queries.
 
     agentr1 demo                       train on the built-in task with the embedded defaults
-    agentr1 train --config FILE        train with a YAML config (see configs/)
+    agentr1 train --config FILE        train with a YAML config: a file, or the name of a shipped config (tiny, demo, algos/ppo)
+    agentr1 configs                    list the configs shipped with the package, with their paths
     agentr1 resume --run-id R          continue a stopped or crashed run: completed stages are skipped
     agentr1 query "SELECT ..."         SQL over every table of every run (DuckDB)
     agentr1 rerun --run-id R --iteration K --stage S [--set key=value ...]
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 import time
@@ -23,6 +25,47 @@ from agent_core.io.locks import RunInUseError
 from flows.environment import configure_environment
 
 DEFAULT_DATA_ROOT = "data"
+# The top-level configs/ folder ships in the wheel as the package flows.configs (pyproject.toml).
+SHIPPED_CONFIGS_PACKAGE = "flows.configs"
+
+
+def shipped_configs_dir() -> Path | None:
+    """Where the shipped configs are: flows/configs/ of an installed wheel, the checkout's configs/
+    for an editable install or a source checkout (flows/ next to configs/); None if neither."""
+    try:
+        spec = importlib.util.find_spec(SHIPPED_CONFIGS_PACKAGE)
+    except ImportError:
+        spec = None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if Path(location).is_dir():
+            return Path(location)
+    checkout = Path(__file__).resolve().parent.parent / "configs"
+    return checkout if checkout.is_dir() else None
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Shipped configs by name: the path below the configs folder without `.yaml` (`tiny`, `algos/ppo`)."""
+    folder = shipped_configs_dir()
+    if folder is None:
+        return {}
+    return {path.relative_to(folder).with_suffix("").as_posix(): path for path in sorted(folder.rglob("*.yaml"))}
+
+
+def resolve_config(name: str) -> str:
+    """A config argument as a file path: an existing file as given; else a shipped config named
+    `tiny`, `tiny.yaml`, `algos/ppo` or `configs/tiny.yaml` (the checkout's spelling, which then also
+    works outside the checkout); else unchanged (the loader reports the missing file)."""
+    if Path(name).is_file():
+        return name
+    key = name.removeprefix("configs/").removesuffix(".yaml")
+    shipped = shipped_configs()
+    if key in shipped:
+        print(f"agentr1: using the shipped config {key!r} ({shipped[key]})", flush=True)
+        return str(shipped[key])
+    if shipped and "/" not in name.removeprefix("configs/") and not name.endswith((".yaml", ".yml")):
+        raise FileNotFoundError(f"config {name!r}: no such file and no shipped config of that name; shipped: "
+                                f"{', '.join(shipped)} (`agentr1 configs` lists them with their paths)")
+    return name
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                             ("train", "train with a YAML config")):
         cmd = add(name, help_text)
         cmd.add_argument("--config", dest="configs", action="append", default=[], metavar="FILE",
-                         help="YAML config file; repeat to layer files, later ones win (default: embedded defaults)")
+                         help="YAML config file, or the name of a shipped config (`agentr1 configs`: tiny, demo, "
+                              "algos/ppo, ...); repeat to layer files, later ones win (default: embedded defaults)")
         cmd.add_argument("--run-id", default=None, help="default: a fresh id")
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set rollout.group_size=8 (repeatable)")
@@ -60,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     add("runs", "list runs and their iterations")
+    sub.add_parser("configs", help="list the configs shipped with the package (usable as --config NAME)",
+                   description="list the configs shipped with the package (usable as --config NAME)")
     _add_eval(add("eval", "evaluate methods of a run over a dataset split: EM and F1, mean ± std over seeds"))
     experiment = add("experiment", "baselines, every algorithm and the mask ablations, evaluated -> results page")
     experiment.add_argument("--experiment", default="configs/experiment.yaml", metavar="FILE",
@@ -86,18 +132,19 @@ def _add_eval(cmd: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from agent_core.io.configs import load_config
+    from agent_core.validation import load_config
     from agent_core.io.layout import new_run_id
 
     overrides = list(args.overrides)
     if args.data_root:
         overrides.append(f"data_root={args.data_root}")
     run_id = args.run_id or new_run_id(args.command)
-    return _run_training(load_config(args.configs, [*overrides, f"run_id={run_id}"]))
+    configs = [resolve_config(name) for name in args.configs]
+    return _run_training(load_config(configs, [*overrides, f"run_id={run_id}"]))
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from agent_core.io.configs import load_config
+    from agent_core.validation import load_config
     from agent_core.io.layout import DataRoot
 
     data_root = args.data_root or DEFAULT_DATA_ROOT
@@ -178,8 +225,34 @@ def _runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configs(args: argparse.Namespace) -> int:
+    shipped = shipped_configs()
+    if not shipped:
+        print("agentr1: no shipped configs found (is the package installed with its data?)")
+        return 1
+    print(f"agentr1: {len(shipped)} configs shipped with the package; use one with `agentr1 train --config NAME` "
+          "(repeat --config to layer files, later ones win key by key; copy one to edit it):")
+    width = max(map(len, shipped))
+    for name, path in shipped.items():
+        print(f"  {name:<{width}}  {path}")
+        description = _first_comment(path)
+        if description:
+            print(f"  {'':<{width}}    {description}")
+    return 0
+
+
+def _first_comment(path: Path) -> str:
+    """The first line of a config's leading comment (each shipped config starts with one), `...` if it goes on."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    return "" if not lines else lines[0] + (" ..." if len(lines) > 1 else "")
+
+
 def _eval(args: argparse.Namespace) -> int:
-    from agent_core.io.configs import load_config
+    from agent_core.validation import load_config
     from agent_core.io.layout import DataRoot
 
     data_root = args.data_root or DEFAULT_DATA_ROOT
@@ -228,7 +301,7 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"demo": _train, "train": _train, "resume": _resume, "query": _query, "rerun": _rerun, "runs": _runs, "eval": _eval,
-            "experiment": _experiment}
+            "experiment": _experiment, "configs": _configs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,6 @@ from agent_core.rollout.engines import shutdown_engines
 from tasks.evaluate import evaluate, log_eval, publish_eval_report, settings_params, write_eval_report
 from tasks.prepare_data import DatasetUris, prepare_dataset
 
-DEFAULT_METHODS = ("naive_rag", "base_tool_call", "agent")
-
 
 @dataclass(frozen=True)
 class EvalResult:

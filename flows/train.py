@@ -1,6 +1,6 @@
 """The training flow: prepare data, then N iterations of rollout -> rewards -> advantages -> train.
 
-Reads top to bottom like the pipeline diagram in DESIGN.md §1. Stages pass table URIs only.
+Reads top to bottom like the pipeline diagram in docs/architecture.md §1. Stages pass table URIs only.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from agent_core.config import PipelineConfig
 from agent_core.io.layout import DataRoot, RunLayout, new_run_id
 from agent_core.io.summaries import IterationSummary, eval_scores
 from agent_core.rollout.engines import shutdown_engines
+from agent_core.validation import check_names
 from tasks.compute_advantages import compute_advantages
 from tasks.evaluate import dev_eval, run_eval_settings
 from tasks.init_policy import init_critic, init_policy
@@ -70,6 +71,9 @@ def start_policy(run: RunLayout, config: PipelineConfig) -> tuple[DatasetUris, s
 def train(config: PipelineConfig) -> TrainResult:
     """Train, or resume: with the id of an existing run, every stage whose manifest matches its inputs
     and settings is skipped, and the rest (what a crash cut short, what a changed config touches) runs."""
+    # A config may come from anywhere (a deployment's parameters, a Python caller), not only from
+    # agent_core.validation's loaders: a misspelt name must fail here, before anything is written.
+    check_names(config)
     if config.run_id is None:  # e.g. a scheduled deployment: every run gets its own id
         config = config.model_copy(update={"run_id": new_run_id()})
     try:

@@ -1,4 +1,4 @@
-"""The tables every stage writes and reads (DESIGN.md §5), and their validation.
+"""The tables every stage writes and reads (docs/architecture.md §5), and their validation.
 
 `TABLES[name]` gives each table's exact Arrow schema, its pandera model (`pandera.pyarrow`,
 validating the Arrow table natively: no pandas conversion, no per-row Python except where a

@@ -3,7 +3,7 @@
 `values` are the critic's values (PPO-family estimators) and `ref_logprobs` the frozen reference
 policy's log-probs, both per response token, null when not computed. `obs_advantages`,
 `obs_returns`, `obs_values` cover the observation tokens that follow the response (the next
-step's prompt suffix) and are set only when a mask is off (DESIGN.md §3 ablations) and the step's
+step's prompt suffix) and are set only when a mask is off (docs/architecture.md §3 ablations) and the step's
 observation is part of the episode grid; null otherwise. Advantage mask off: the recursion's own
 values there (with returns and values as critic targets). Loss mask off with the advantage mask
 on: the advantage of the action the observation follows, so those tokens are trained with it;

@@ -1,6 +1,7 @@
 """`rewards`: one row per agent step, the reward a scorer gave it.
 
-reward = process_reward + outcome_reward (to 1e-6); em / f1 / format_score are in [0, 1] when the
+reward = outcome_reward + process_factor * process_reward (to 1e-6): the combined reward that
+advantages are computed from, process_factor being the process weight times the batch normalizer; em / f1 / format_score are in [0, 1] when the
 scorer computes them; `components` is a flat JSON object of name -> number (checked by one exact
 regex, no JSON parse). Row id in errors: `<episode_id>/<step_idx>`.
 """
@@ -27,7 +28,7 @@ SUM_TOLERANCE = 1e-6
 
 
 def _reward_is_sum(t: pa.Table) -> pa.Array:
-    total = pc.add(t["process_reward"], t["outcome_reward"])
+    total = pc.add(pc.multiply(t["process_factor"], t["process_reward"]), t["outcome_reward"])
     return pc.less_equal(pc.abs(pc.subtract(t["reward"], total)), SUM_TOLERANCE)
 
 
@@ -41,6 +42,7 @@ class RewardsModel(ArrowModel):
     step_idx: INT32 = Field()
     process_reward: FLOAT64 = Field()
     outcome_reward: FLOAT64 = Field()
+    process_factor: FLOAT64 = Field()
     reward: FLOAT64 = Field()
     em: FLOAT64 = Field(nullable=True)
     f1: FLOAT64 = Field(nullable=True)
@@ -54,9 +56,10 @@ class RewardsModel(ArrowModel):
     _step_idx_unique = row_check("step_idx", "unique per episode_id", unique_key(("episode_id", "step_idx")))
     _process_reward_finite = row_check("process_reward", "finite", finite("process_reward"))
     _outcome_reward_finite = row_check("outcome_reward", "finite", finite("outcome_reward"))
+    _process_factor_finite = row_check("process_factor", "finite", finite("process_factor"))
     _reward_finite = row_check("reward", "finite", finite("reward"))
     _reward_is_sum = row_check(
-        "reward", f"equals process_reward + outcome_reward (to {SUM_TOLERANCE:g})", _reward_is_sum
+        "reward", f"equals outcome_reward + process_factor * process_reward (to {SUM_TOLERANCE:g})", _reward_is_sum
     )
     _em_in_range = row_check("em", "in [0, 1]", in_unit_interval("em"))
     _f1_in_range = row_check("f1", "in [0, 1]", in_unit_interval("f1"))

@@ -1,4 +1,4 @@
-"""`steps`: one row per agent step (one LLM call and the env's answer), DESIGN.md §2, §5.
+"""`steps`: one row per agent step (one LLM call and the env's answer), docs/architecture.md §2, §5.
 
 Cross-row rules, checked with Arrow group-bys rather than a loop over episodes:
 - (episode_id, step_idx) is unique and step_idx runs 0..n-1 within each episode;

@@ -1,9 +1,13 @@
-"""What every stage task shares: the task decorator, a logger that works in and out of a run, and
-the resume check (io/manifests.py)."""
+"""What the stage tasks share: the task decorator, a logger that works in and out of a run, the
+resume check (io/manifests.py); and the helpers more than one stage uses (a prepared dataset's
+tables, the rollout driver, reward labelling of a steps table). Stage modules never import each
+other, only this module, so a stage can change without reaching into another."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from functools import partial
 
 from prefect import task
@@ -11,8 +15,22 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
+from agent_core.config import RewardConfig, RolloutConfig, VLLMConfig
+from agent_core.data.rows import prompts_from_table, row_to_document
+from agent_core.envs.registry import ENVS, EnvResources, env_kwarg_names, make_env
+from agent_core.envs.search import Bm25Index
+from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.failpoints import failpoint
 from agent_core.io.manifests import StageRecord
+from agent_core.io.tables import read_table, write_table
+from agent_core.rewards.labelling import RewardRecord, StepOutcome, label_steps
+from agent_core.rollout.agent_loop import LoopSettings, run_episodes
+from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
+from agent_core.rollout.context import ContextPolicy
+from agent_core.rollout.engine import SamplingParams
+from agent_core.rollout.engines import EngineOptions
+from agent_core.rollout.vllm_server import VLLMOptions
+from agent_core.types import Document, Prompt
 
 # Stages skip or redo work by their manifests (`completed_outputs`), not through Prefect's result
 # cache: its cache keys would hash configs and paths, not what the inputs hold.
@@ -39,3 +57,93 @@ def completed_outputs(record: StageRecord, resume: bool, what: str) -> dict[str,
         stage_logger(record.stage).info("%s: already complete with these inputs and settings, skipped (%s)",
                                         what, record.path)
     return done
+
+
+# ---- a prepared dataset's tables (prepare_data writes them) ------------------------------------
+
+
+@dataclass(frozen=True)
+class DatasetUris:
+    dataset_id: str
+    prompts_uri: str
+    corpus_uri: str
+
+
+def read_corpus(corpus_uri: str) -> list[Document]:
+    """The search corpus of a prepared dataset, in table order."""
+    return [row_to_document(row) for row in read_table("corpus", corpus_uri).to_pylist()]
+
+
+def split_prompts(dataset: DatasetUris, split: str, limit: int | None = None) -> list[Prompt]:
+    """The split's prompts in dataset order, the first `limit` of them if given; their envs are
+    checked, so a bad row fails naming the file and the row before an evaluation starts."""
+    table = read_table("dataset_prompts", dataset.prompts_uri)
+    splits = table.column("split").to_pylist()
+    chosen = [index for index, name in enumerate(splits) if name == split]
+    if not chosen:
+        raise ValueError(f"{dataset.prompts_uri}: no prompts with split {split!r}; "
+                         f"splits there: {', '.join(sorted(set(splits)))}")
+    return prompts_from_table("dataset_prompts", table.take(chosen[:limit]), dataset.prompts_uri)
+
+
+# ---- rollout: the config's envs and engine (the rollout stage, the warm start's oracle episodes) ----
+
+
+def vllm_options(cfg: VLLMConfig) -> VLLMOptions:
+    """The vLLM server options of the config (the config layer does not know the rollout's types)."""
+    return VLLMOptions(**cfg.model_dump())
+
+
+def engine_options(cfg: RolloutConfig) -> EngineOptions:
+    return EngineOptions(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_context_tokens,
+                         vllm=vllm_options(cfg.vllm))
+
+
+def env_of(prompt: Prompt, cfg: RolloutConfig) -> tuple[str, dict]:
+    """The config's env replaces the prompt's (and its kwargs); config kwargs refine the prompt's own env.
+    An env that takes `instructions` gets `cfg.tool_instructions` unless the kwargs say otherwise."""
+    if cfg.env is not None and cfg.env != prompt.env_name:
+        name, kwargs = cfg.env, dict(cfg.env_kwargs)
+    else:
+        name, kwargs = prompt.env_name, {**prompt.env_kwargs, **cfg.env_kwargs}
+    if "instructions" not in kwargs and name in ENVS.names() and "instructions" in env_kwarg_names(name):
+        kwargs["instructions"] = cfg.instructions
+    return name, kwargs
+
+
+def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConfig, *, seed: int,
+             policy_version: int, episode_prefix: str, group_size: int | None = None) -> list:
+    """Episodes of `prompts` with `engine` in the config's envs; the step records (also used by the
+    warm start's oracle episodes)."""
+    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
+    resources = EnvResources(search_index=Bm25Index(documents), chat=chat)
+    sampling = SamplingParams(
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        seed=seed, stop_token_ids=eos_token_ids(tokenizer),
+    )
+    settings = LoopSettings(
+        group_size=group_size or cfg.group_size, max_steps=cfg.max_steps, max_context_tokens=cfg.max_context_tokens,
+        policy_version=policy_version, episode_prefix=episode_prefix,
+        context=ContextPolicy(cfg.context_mode, cfg.keep_last_turns, cfg.max_observation_tokens),
+        env_workers=cfg.env_workers, straggler_wait_s=cfg.straggler_wait_s,
+    )
+    return run_episodes(engine, tokenizer, prompts, lambda p: make_env(*env_of(p, cfg), resources), sampling, settings)
+
+
+# ---- reward labelling of a steps table (label_rewards, the warm start's oracle episodes) ----------
+
+
+_STEP_FIELDS = [f.name for f in dataclasses.fields(StepOutcome)]
+
+
+def label_steps_table(steps_uri: str, answers: dict[str, list[str]], cfg: RewardConfig, run_id: str,
+                      iteration: int, rewards_uri: str) -> list[RewardRecord]:
+    """Label the steps table at `steps_uri` against `answers` (prompt id -> gold answers) and write
+    the rewards table `rewards_uri`; the records, for logging."""
+    steps = read_table("steps", steps_uri).select(_STEP_FIELDS).to_pylist()
+    records = label_steps([StepOutcome(**row) for row in steps], answers, scorer=cfg.scorer,
+                          format_weight=cfg.format_weight, process_weight=cfg.process_weight,
+                          process_norm=cfg.process_norm)
+    rows = [{"run_id": run_id, "iteration": iteration, **dataclasses.asdict(r)} for r in records]
+    write_table("rewards", rows, rewards_uri)
+    return records

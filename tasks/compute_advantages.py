@@ -24,26 +24,16 @@ from agent_core.config import AlgorithmConfig, TrainerConfig
 from agent_core.io.checkpoints import load_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
-from agent_core.io.tables import read_table, write_table
-from agent_core.io.critics import build_critic, load_critic
-from agent_core.training.critic import score_values
+from agent_core.io.tables import join_steps, write_table
+from agent_core.training.critic import build_critic, load_critic, score_values
 from agent_core.training.scoring import score_logprobs
 from tasks._common import completed_outputs, stage_logger, stage_task
 
 
 def _rows(steps_uri: str, rewards_uri: str) -> list[dict]:
-    steps = read_table("steps", steps_uri).select(
-        ["episode_id", "group_id", "step_idx", "prompt_ids", "response_ids", "response_logprobs"])
-    rewards = read_table("rewards", rewards_uri).select(["episode_id", "step_idx", "process_reward", "outcome_reward"])
-    reward_of = {(r["episode_id"], r["step_idx"]): r for r in rewards.to_pylist()}  # Arrow joins drop list columns
-    rows = steps.to_pylist()
-    missing = [f"{r['episode_id']}/{r['step_idx']}" for r in rows if (r["episode_id"], r["step_idx"]) not in reward_of]
-    if missing:
-        raise ValueError(f"{rewards_uri}: no reward for steps {missing[:10]} ({len(missing)} steps)")
-    for row in rows:
-        reward = reward_of[row["episode_id"], row["step_idx"]]
-        row.update(process_reward=reward["process_reward"], outcome_reward=reward["outcome_reward"])
-    return rows
+    """Each step's tokens and log-probs with its combined reward (the rewards table's `reward`)."""
+    return join_steps(steps_uri, ["group_id", "prompt_ids", "response_ids", "response_logprobs"],
+                      "rewards", rewards_uri, ["reward"])
 
 
 def estimator_settings(cfg: AlgorithmConfig) -> dict:
@@ -104,11 +94,8 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
         return done["advantages"]
     rows = _rows(steps_uri, rewards_uri)
     policy_dir = str(run.policy_dir_before(iteration))
-    batch = prepare_episodes(
-        [StepRewardRow(**{k: r[k] for k in ("episode_id", "group_id", "step_idx", "prompt_ids", "response_ids",
-                                            "process_reward", "outcome_reward")}) for r in rows],
-        process_weight=cfg.process_reward_weight, process_norm=cfg.process_reward_norm,
-    )
+    batch = prepare_episodes([StepRewardRow(**{k: r[k] for k in ("episode_id", "group_id", "step_idx", "prompt_ids",
+                                                                  "response_ids", "reward")}) for r in rows])
     values = ref_logprobs = penalty = None
     if uses_critic:
         pad_id = load_policy(Path(policy_dir))[1].pad_token_id

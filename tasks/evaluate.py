@@ -13,12 +13,20 @@ from prefect.artifacts import create_markdown_artifact
 from agent_core.config import DevEvalConfig, PipelineConfig
 from agent_core.eval.methods import EVAL_METHODS, EvalSettings
 from agent_core.eval.report import EvalReport, eval_report
+from agent_core.io.atomic import write_text_atomic
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, rows_of, table_exists, write_table
 from agent_core.io.tracking import Tracker
-from tasks._common import completed_outputs, stage_logger, stage_task
-from tasks.prepare_data import DatasetUris, read_corpus, split_prompts
+from tasks._common import (
+    DatasetUris,
+    completed_outputs,
+    read_corpus,
+    split_prompts,
+    stage_logger,
+    stage_task,
+    vllm_options,
+)
 
 EVAL_EXPERIMENT = "agentr1-eval"
 
@@ -59,7 +67,7 @@ def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float |
         max_context_tokens=rollout.max_context_tokens, top_k=config.data.top_k,
         tool_format=rollout.env_kwargs.get("tool_format", "tag"),
         instructions=rollout.instructions, engine=rollout.engine,
-        max_batch_size=rollout.max_batch_size, vllm=rollout.vllm.options(),
+        max_batch_size=rollout.max_batch_size, vllm=vllm_options(rollout.vllm),
     )
 
 
@@ -90,9 +98,7 @@ def write_eval_report(data_root: str, eval_id: str, table_uris: list[str]) -> Ev
     """The report over the given eval tables, written as markdown to evals/<eval_id>/report.md."""
     table = pa.concat_tables([read_table("eval", uri) for uri in table_uris])
     report = eval_report(table)
-    path = DataRoot(Path(data_root)).eval_report_path(eval_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report.markdown())
+    path = write_text_atomic(DataRoot(Path(data_root)).eval_report_path(eval_id), report.markdown())
     stage_logger("write_eval_report").info("eval %s: report at %s", eval_id, path)
     return report
 

@@ -13,11 +13,12 @@ from agent_core.eval.experiment import (
     BASELINE_TITLES,
     ArmCurve,
     ExperimentConfig,
-    Score,
+    MethodEm,
     results_markdown,
     target_checks,
 )
 from agent_core.eval.report import AVERAGE, eval_report
+from agent_core.io.atomic import write_text_atomic
 from agent_core.io.layout import DataRoot
 from agent_core.io.plots import plot_bars, plot_curves
 from agent_core.io.portable_paths import portable
@@ -52,7 +53,7 @@ def experiment_report(exp: ExperimentConfig, data_root: str, experiment_id: str,
     log = stage_logger("experiment_report")
     report = eval_report(pa.concat_tables([read_table("eval", uri) for uri in eval_uris]))
     titles = {**BASELINE_TITLES, **{arm.name: arm.title for arm in exp.arms}}
-    em = {m: Score(report.cell(m, AVERAGE).em.mean, report.cell(m, AVERAGE).em.std) for m in report.methods}
+    em = {m: MethodEm(report.cell(m, AVERAGE).em.mean, report.cell(m, AVERAGE).em.std) for m in report.methods}
 
     page = Path(exp.report_path)
     plots_dir = Path(exp.plots_dir)
@@ -75,8 +76,7 @@ def experiment_report(exp: ExperimentConfig, data_root: str, experiment_id: str,
                                      eval_table=_titled(report.markdown(), titles), checks=checks, curves=curves,
                                      plots=relative, setup=setup, notes=_notes(notes_path)),
                     {"data root": data_root})
-    page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(text)
+    write_text_atomic(page, text)
 
     root = DataRoot(Path(data_root))
     tracker = Tracker(root.mlflow_tracking_uri, root.mlflow_artifacts.resolve().as_uri(), EXPERIMENT_EXPERIMENT)

@@ -11,15 +11,14 @@ from agent_core.types import Document
 from agent_core.envs.formats import FORMATS, ParsedCall
 from agent_core.envs.registry import EnvResources, env_kwarg_names, make_env
 from agent_core.envs.search import Bm25Index
-from agent_core.io.checkpoints import load_policy, save_policy
+from agent_core.io.checkpoints import load_policy, save_critic, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table
-from agent_core.io.critics import build_critic, save_critic
+from agent_core.training.critic import build_critic
 from agent_core.training.model import build_tiny_policy, build_tokenizer, count_parameters
 from agent_core.training.pretrain import induction_pretrain
-from tasks._common import completed_outputs, stage_logger, stage_task
-from tasks.prepare_data import DatasetUris
+from tasks._common import DatasetUris, completed_outputs, stage_logger, stage_task
 
 DEFAULT_SMOLLM2_DIR = Path("data/models/smollm2-135m-instruct")
 _FIXED_TEXT_WEIGHT = 32  # copies of the tool instructions among the tokenizer's training texts

@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from agent_core.config import RewardConfig
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
-from agent_core.io.tables import read_table, write_table
-from agent_core.rewards.labelling import RewardRecord, StepOutcome, label_steps
-from tasks._common import completed_outputs, stage_logger, stage_task
-
-_STEP_FIELDS = [f.name for f in dataclasses.fields(StepOutcome)]
-
-
-def label_steps_table(steps_uri: str, answers: dict[str, list[str]], cfg: RewardConfig, run_id: str,
-                      iteration: int, rewards_uri: str) -> list[RewardRecord]:
-    """Label the steps table at `steps_uri` against `answers` (prompt id -> gold answers) and write
-    the rewards table `rewards_uri`; the records, for logging."""
-    steps = read_table("steps", steps_uri).select(_STEP_FIELDS).to_pylist()
-    records = label_steps(
-        [StepOutcome(**row) for row in steps], answers, scorer=cfg.scorer, format_weight=cfg.format_weight
-    )
-    rows = [{"run_id": run_id, "iteration": iteration, **dataclasses.asdict(r)} for r in records]
-    write_table("rewards", rows, rewards_uri)
-    return records
+from agent_core.io.tables import read_table
+from tasks._common import completed_outputs, label_steps_table, stage_logger, stage_task
 
 
 @stage_task(name="label_rewards")

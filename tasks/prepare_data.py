@@ -3,43 +3,17 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import schemas
 from agent_core.config import DataConfig
 from agent_core.data.loaders import load_qa_splits
-from agent_core.data.rows import check_table_envs, document_to_row, prompt_to_row, prompts_from_table, row_to_document
+from agent_core.data.rows import check_table_envs, document_to_row, prompt_to_row
 from agent_core.data.synthetic import SyntheticQA, generate_synthetic_qa
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, table_exists, write_table, write_tables
-from agent_core.types import Document, Prompt
-from tasks._common import completed_outputs, stage_logger, stage_task
-
-
-@dataclass(frozen=True)
-class DatasetUris:
-    dataset_id: str
-    prompts_uri: str
-    corpus_uri: str
-
-
-def read_corpus(corpus_uri: str) -> list[Document]:
-    """The search corpus of a prepared dataset, in table order."""
-    return [row_to_document(row) for row in read_table("corpus", corpus_uri).to_pylist()]
-
-
-def split_prompts(dataset: DatasetUris, split: str, limit: int | None = None) -> list[Prompt]:
-    """The split's prompts in dataset order, the first `limit` of them if given; their envs are
-    checked, so a bad row fails naming the file and the row before an evaluation starts."""
-    table = read_table("dataset_prompts", dataset.prompts_uri)
-    splits = table.column("split").to_pylist()
-    chosen = [index for index, name in enumerate(splits) if name == split]
-    if not chosen:
-        raise ValueError(f"{dataset.prompts_uri}: no prompts with split {split!r}; "
-                         f"splits there: {', '.join(sorted(set(splits)))}")
-    return prompts_from_table("dataset_prompts", table.take(chosen[:limit]), dataset.prompts_uri)
+from tasks._common import DatasetUris, completed_outputs, stage_logger, stage_task
 
 
 def load_dataset(data: DataConfig) -> SyntheticQA:

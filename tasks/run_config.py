@@ -7,9 +7,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from agent_core.config import PipelineConfig
-from agent_core.io.configs import load_config, save_config
+from agent_core.io.config_files import save_config
 from agent_core.io.layout import RunLayout
 from agent_core.io.locks import run_lock, sweep_temporaries
+from agent_core.validation import load_config
 from tasks._common import stage_logger, stage_task
 
 

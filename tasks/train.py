@@ -24,36 +24,30 @@ from pathlib import Path
 
 from agent_core.algos.estimator_core import estimator_uses_critic
 from agent_core.config import AlgorithmConfig, TrainerConfig
-from agent_core.io.checkpoints import load_policy, save_policy
+from agent_core.io.checkpoints import load_policy, save_critic, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.optimizer_state import load_optimizer_state, save_optimizer_state
-from agent_core.io.tables import read_table, table_exists, write_table
+from agent_core.episodes import episodes_from_rows
+from agent_core.io.tables import join_steps, read_table, table_exists, write_table
 from agent_core.training.batches import TrainStep, choose_layout
-from agent_core.io.critics import build_critic, load_critic, save_critic
+from agent_core.training.critic import build_critic, load_critic
 from agent_core.training.schedule import make_lr_scheduler, optimizer_step_count
+from agent_core.training.settings import PPOSettings
 from agent_core.training.safety import check_nonfinite_updates, check_savable, nonfinite_streaks, probe_logprobs
 from agent_core.training.trainer import make_optimizer, train_iteration
 from tasks._common import completed_outputs, stage_logger, stage_task
 
 _ADVANTAGE_FIELDS = ("advantages", "ref_logprobs", "values", "returns", "obs_advantages", "obs_returns", "obs_values")
+_TRAIN_STEP_FIELDS = [field.name for field in dataclasses.fields(TrainStep)]
 
 
 def _episodes(steps_uri: str, advantages_uri: str) -> list[list[TrainStep]]:
-    """Each episode's steps in order, with their advantages (Arrow's hash join drops list columns)."""
-    steps = read_table("steps", steps_uri).select(
-        ["episode_id", "step_idx", "prompt_ids", "response_ids", "response_logprobs"]).to_pylist()
-    advantages = {(r["episode_id"], r["step_idx"]): r for r in read_table("advantages", advantages_uri).to_pylist()}
-    missing = [f"{s['episode_id']}/{s['step_idx']}" for s in steps if (s["episode_id"], s["step_idx"]) not in advantages]
-    if missing:
-        raise ValueError(f"{advantages_uri}: no advantages for steps {missing[:10]} ({len(missing)} steps)")
-    episodes: dict[str, list[tuple[int, TrainStep]]] = {}
-    for s in steps:
-        extra = advantages[s["episode_id"], s["step_idx"]]
-        step = TrainStep(s["prompt_ids"], s["response_ids"], s["response_logprobs"],
-                         **{name: extra[name] for name in _ADVANTAGE_FIELDS})
-        episodes.setdefault(s["episode_id"], []).append((s["step_idx"], step))
-    return [[step for _, step in sorted(rows, key=lambda r: r[0])] for rows in episodes.values()]
+    """Each episode's steps in order, with their advantages."""
+    rows = join_steps(steps_uri, ["group_id", "prompt_ids", "response_ids", "response_logprobs"],
+                      "advantages", advantages_uri, _ADVANTAGE_FIELDS)
+    steps = [TrainStep(**{name: row[name] for name in _TRAIN_STEP_FIELDS}) for row in rows]
+    return [list(episode.steps) for episode in episodes_from_rows(steps)]
 
 
 def _nonfinite_streak_before(run: RunLayout, iteration: int) -> int:
@@ -85,20 +79,6 @@ def _train_inputs(run: RunLayout, iteration: int, steps_uri: str, advantages_uri
     return inputs
 
 
-def update_settings(cfg: TrainerConfig, algorithm: AlgorithmConfig, temperature: float | None) -> dict:
-    """The plain-number settings ``train_iteration`` takes from the configs (all but models, data,
-    pad id and seed): a KL in the reward was applied by the advantages stage, so it is no loss term."""
-    return dict(
-        epochs=cfg.epochs, mini_batches=cfg.mini_batches, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip, entropy_coef=cfg.entropy_coef,
-        kl_coef=0.0 if algorithm.kl_in_reward else algorithm.kl_coef, kl_estimator=algorithm.kl_estimator,
-        value_clip=cfg.value_clip, max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
-        temperature=temperature or 1.0, agg_mode=cfg.loss_agg_mode, use_loss_mask=algorithm.use_loss_mask,
-        use_advantage_mask=algorithm.use_advantage_mask, recompute_old_logprobs=cfg.recompute_old_logprobs,
-        max_logit_elements=cfg.micro_batch_logits,
-    )
-
-
 @stage_task(name="train")
 def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, policy_dir: str,
                  cfg: TrainerConfig, algorithm: AlgorithmConfig, temperature: float, total_steps: int = 0,
@@ -127,10 +107,9 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
     critic = critic_optimizer = None
     if uses_critic:
         critic, critic_optimizer = _critic_and_optimizer(run, iteration, policy_dir, cfg)
-    results = train_iteration(
-        model, optimizer, sequences, critic=critic, critic_optimizer=critic_optimizer, scheduler=scheduler,
-        pad_id=tokenizer.pad_token_id, seed=iteration, **update_settings(cfg, algorithm, temperature),
-    )
+    results = train_iteration(model, optimizer, sequences, PPOSettings.from_config(cfg, algorithm, temperature),
+                              pad_id=tokenizer.pad_token_id, critic=critic, critic_optimizer=critic_optimizer,
+                              scheduler=scheduler, seed=iteration)
     check_nonfinite_updates(results, iteration=iteration, max_consecutive=cfg.max_consecutive_nonfinite,
                             carried=_nonfinite_streak_before(run, iteration))
     check_savable(model.named_parameters(), iteration=iteration, probe_logprobs=probe_logprobs(

@@ -17,10 +17,17 @@ from agent_core.io.tables import read_table, rows_of, write_table
 from agent_core.training.batches import TrainStep, choose_layout
 from agent_core.training.sft import sft_train
 from agent_core.training.trainer import make_optimizer
-from tasks._common import completed_outputs, stage_logger, stage_task
-from tasks.label_rewards import label_steps_table
-from tasks.prepare_data import DatasetUris, read_corpus, split_prompts
-from tasks.rollout import roll_out
+from tasks._common import (
+    DatasetUris,
+    completed_outputs,
+    label_steps_table,
+    read_corpus,
+    roll_out,
+    split_prompts,
+    stage_logger,
+    stage_task,
+)
+
 
 @stage_task(name="oracle_episodes")
 def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, rollout: RolloutConfig,

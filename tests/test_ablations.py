@@ -1,7 +1,7 @@
 """The shipped mask ablations (configs/algos/*) change the trained signal, through the pipeline's
 own code path: config -> advantages stage settings (tasks.compute_advantages.estimator_settings)
 -> estimate_step_advantages -> training rows -> train_iteration with the train stage's settings
-(tasks.train.update_settings). A no-op ablation (same action-token advantages and gradients
+(PPOSettings.from_config). A no-op ablation (same action-token advantages and gradients
 as its base, or gradients only rescaled) fails these tests.
 
 Two batches: one fixed multi-turn batch (two groups, observation tokens between actions, a tiny
@@ -12,6 +12,7 @@ Llama) for "differs / equal" checks, and a two-episode batch small enough to wor
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,12 +23,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from agent_core.algos.estimator_core import estimator_uses_critic
 from agent_core.algos.step_advantages import StepRewardRow, estimate_step_advantages, prepare_episodes
 from agent_core.config import ConfigError
-from agent_core.io.configs import load_config
 from agent_core.training.batches import TrainStep, choose_layout
 from agent_core.training.scoring import score_logprobs
+from agent_core.training.settings import PPOSettings
 from agent_core.training.trainer import train_iteration
+from agent_core.validation import load_config
 from tasks.compute_advantages import estimator_settings
-from tasks.train import update_settings
 
 ALGOS = Path(__file__).resolve().parent.parent / "configs" / "algos"
 # ablation -> the config it ablates (the paper's chain: ppo -> no advantage mask -> no masks)
@@ -53,12 +54,14 @@ def test_an_advantage_mask_ablation_that_cannot_change_anything_is_refused(estim
 
 
 def episode(name, group, first_prompt, turns, outcome, process=()):
-    """StepRewardRows of an append-only episode: turns = [(response, observation after it), ...]."""
+    """StepRewardRows of an append-only episode: turns = [(response, observation after it), ...];
+    each row's reward combined as labelling does under the default config (process weight 1, no
+    normalizer): process + outcome."""
     rows, context = [], list(first_prompt)
     for k, (response, observation) in enumerate(turns):
         last = k == len(turns) - 1
         rows.append(StepRewardRow(name, group, k, list(context), list(response),
-                                  process[k] if k < len(process) else 0.0, outcome if last else 0.0))
+                                  (process[k] if k < len(process) else 0.0) + (outcome if last else 0.0)))
         context += list(response) + list(observation)
     return rows
 
@@ -79,8 +82,7 @@ def fixed_values(layout):
 def advantages(cfg, rows=BATCH, values=fixed_values):
     """The advantages stage's computation (no reference model: no in-reward KL, for every config)."""
     algorithm = cfg.algorithm
-    batch = prepare_episodes(rows, process_weight=algorithm.process_reward_weight,
-                             process_norm=algorithm.process_reward_norm)
+    batch = prepare_episodes(rows)
     grid = values(batch.layout) if estimator_uses_critic(algorithm.estimator) else None
     return estimate_step_advantages(batch, **estimator_settings(algorithm), values=grid)
 
@@ -121,10 +123,10 @@ def gradient(cfg, model_factory=tiny_llama, rows=BATCH, values=fixed_values) -> 
     model = model_factory()
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     sequences = choose_layout(training_episodes(rows, advantages(cfg, rows, values), model), cfg.trainer.layout)
-    settings = {**update_settings(cfg.trainer, cfg.algorithm, 1.0), "epochs": 1, "mini_batches": 1,
-                "max_grad_norm": None}
-    [result] = train_iteration(model, torch.optim.SGD(model.parameters(), lr=1.0), sequences, pad_id=PAD, seed=0,
-                               **settings)
+    settings = replace(PPOSettings.from_config(cfg.trainer, cfg.algorithm, 1.0), epochs=1, mini_batches=1,
+                       max_grad_norm=None)
+    [result] = train_iteration(model, torch.optim.SGD(model.parameters(), lr=1.0), sequences, settings, pad_id=PAD,
+                               seed=0)
     assert not result.skipped
     return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from agent_core.algos import estimator_core
-from agent_core.algos.advantages import ADVANTAGE_ESTIMATORS, AdvantageOutput, compute_advantages
-from agent_core.algos.estimator_core import GroupOfOneWarning
+from agent_core.algos.estimator_core import (
+    ADVANTAGE_ESTIMATORS, AdvantageInputs, AdvantageOutput, GroupOfOneWarning, estimate_advantages,
+)
 from agent_core.algos.episodes import EpisodeStep, advantage_mask, build_episode_layout
 from agent_core.registry import UnknownNameError
 
@@ -42,15 +43,17 @@ def grid(layout):
 
 
 def per_token(values_per_episode, lengths):
+    """[E, T] on the grid of ``responses_only``: column 0 is the first prompt [1], in no mask."""
     width = max(sum(ep) for ep in lengths)
-    return torch.tensor([[v] * sum(ep) + [0.0] * (width - sum(ep)) for v, ep in zip(values_per_episode, lengths)])
+    return torch.tensor([[0.0] + [v] * sum(ep) + [0.0] * (width - sum(ep))
+                         for v, ep in zip(values_per_episode, lengths)])
 
 
 # ---------------------------------------------------------------- grpo / rloo (hand-worked)
 
 def test_grpo_hand_worked_values_with_unbiased_std():
     rewards, mask = grid(responses_only(LENGTHS, REWARDS))
-    out = compute_advantages("grpo", rewards, mask, GROUPS, eps=0.0)
+    out = estimate_advantages("grpo", AdvantageInputs(rewards, mask, GROUPS, eps=0.0))
     assert isinstance(out, AdvantageOutput)
     # group 0: mean 5/6, unbiased var = ((1/6)^2 + (2/3)^2 + (5/6)^2) / 2 = 7/12
     std0 = math.sqrt(7 / 12)
@@ -63,14 +66,14 @@ def test_grpo_hand_worked_values_with_unbiased_std():
 
 def test_grpo_without_std_only_centres():
     rewards, mask = grid(responses_only(LENGTHS, REWARDS))
-    out = compute_advantages("grpo", rewards, mask, GROUPS, norm_by_std=False)
+    out = estimate_advantages("grpo", AdvantageInputs(rewards, mask, GROUPS, norm_by_std=False))
     expected = [1 / 6, 2 / 3, -5 / 6, 0.0, 0.5, -0.5]
     assert torch.allclose(out.advantages, per_token(expected, LENGTHS), atol=1e-6)
 
 
 def test_rloo_hand_worked_values():
     rewards, mask = grid(responses_only(LENGTHS, REWARDS))
-    out = compute_advantages("rloo", rewards, mask, GROUPS)
+    out = estimate_advantages("rloo", AdvantageInputs(rewards, mask, GROUPS))
     # e0: 1 - (1.5 + 0)/2; e1: 1.5 - (1 + 0)/2; e2: 0 - (1 + 1.5)/2; e3 alone; e4: 1 - 0; e5: 0 - 1
     expected = [0.25, 1.0, -1.25, 0.0, 1.0, -1.0]
     assert torch.allclose(out.advantages, per_token(expected, LENGTHS), atol=1e-6)
@@ -79,11 +82,11 @@ def test_rloo_hand_worked_values():
 
 def test_grpo_is_invariant_to_shifting_and_scaling_a_group():
     rewards, mask = grid(responses_only(LENGTHS, REWARDS))
-    base = compute_advantages("grpo", rewards, mask, GROUPS, eps=0.0)
+    base = estimate_advantages("grpo", AdvantageInputs(rewards, mask, GROUPS, eps=0.0))
     shift = torch.zeros_like(rewards)
     for e, lengths in enumerate(LENGTHS):  # add 2 to every episode's return
-        shift[e, sum(lengths) - 1] = 2.0
-    scaled = compute_advantages("grpo", rewards * 3.0 + shift, mask, GROUPS, eps=0.0)
+        shift[e, sum(lengths)] = 2.0  # its last token: column 0 is the first prompt
+    scaled = estimate_advantages("grpo", AdvantageInputs(rewards * 3.0 + shift, mask, GROUPS, eps=0.0))
     assert torch.allclose(base.advantages, scaled.advantages, atol=1e-5)
 
 
@@ -99,7 +102,7 @@ PAIR = torch.tensor([0, 1])
 
 
 def test_gae_mask_on_skips_tool_tokens_hand_worked():
-    out = compute_advantages("gae", TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8)
+    out = estimate_advantages("gae", AdvantageInputs(TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8))
     # row 0 over columns 0, 1, 4: A4 = 1 - 0.4 = 0.6
     # A1 = (0.5 + 0.9*0.4 - 0.2) + 0.72*0.6 = 0.66 + 0.432 = 1.092   (bootstraps from column 4)
     # A0 = (0 + 0.9*0.2 - 0.1) + 0.72*1.092 = 0.08 + 0.78624 = 0.86624
@@ -110,7 +113,7 @@ def test_gae_mask_on_skips_tool_tokens_hand_worked():
 
 
 def test_gae_mask_off_runs_through_tool_tokens_hand_worked():
-    out = compute_advantages("gae", TOOL_REWARDS, REAL, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8)
+    out = estimate_advantages("gae", AdvantageInputs(TOOL_REWARDS, REAL, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8))
     # A4 = 0.6; A3 = (0.9*0.4 - 0.35) + 0.72*0.6 = 0.442; A2 = (0.9*0.35 - 0.3) + 0.72*0.442 = 0.33324
     # A1 = (0.5 + 0.9*0.3 - 0.2) + 0.72*0.33324 = 0.8099328; A0 = 0.08 + 0.72*0.8099328 = 0.663151616
     expected_row0 = torch.tensor([0.663151616, 0.8099328, 0.33324, 0.442, 0.6])
@@ -119,8 +122,8 @@ def test_gae_mask_off_runs_through_tool_tokens_hand_worked():
 
 
 def test_step_gae_hand_worked_mask_on_and_off():
-    out = compute_advantages(
-        "step_gae", TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8, step_starts=STARTS
+    out = estimate_advantages(
+        "step_gae", AdvantageInputs(TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8, step_starts=STARTS)
     )
     # row 0 steps: R0 = 0.5, V0 = 0.1 (column 0); R1 = 1, V1 = 0.4 (column 4)
     # A1 = 1 - 0.4 = 0.6; A0 = (0.5 + 0.9*0.4 - 0.1) + 0.72*0.6 = 0.76 + 0.432 = 1.192
@@ -131,7 +134,9 @@ def test_step_gae_hand_worked_mask_on_and_off():
     # the tool columns of step 0's segment get its advantage: A0 = 0.75 + 0.36 - 0.1 + 0.432
     rewards = TOOL_REWARDS.clone()
     rewards[0, 3] = 0.25
-    off = compute_advantages("step_gae", rewards, REAL, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8, step_starts=STARTS)
+    off = estimate_advantages(
+        "step_gae", AdvantageInputs(rewards, REAL, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8, step_starts=STARTS)
+    )
     assert torch.allclose(off.advantages[0], torch.tensor([1.442, 1.442, 1.442, 1.442, 0.6]), atol=1e-6)
 
 
@@ -146,14 +151,17 @@ def whitened(x, mask):
 def test_critic_estimators_whiten_advantages_over_the_mask_and_keep_returns_raw(name):
     for mask in (ACTIONS, REAL):
         kwargs = dict(gamma=0.9, lam=0.8, step_starts=STARTS, eps=0.0)
-        raw = compute_advantages(name, TOOL_REWARDS, mask, PAIR, TOOL_VALUES, **kwargs)
-        white = compute_advantages(name, TOOL_REWARDS, mask, PAIR, TOOL_VALUES, whiten=True, **kwargs)
+        raw = estimate_advantages(name, AdvantageInputs(TOOL_REWARDS, mask, PAIR, TOOL_VALUES, **kwargs))
+        white = estimate_advantages(
+            name, AdvantageInputs(TOOL_REWARDS, mask, PAIR, TOOL_VALUES, whiten=True, **kwargs)
+        )
         assert torch.allclose(white.advantages, whitened(raw.advantages.double(), mask.double()).float(), atol=1e-6)
         assert torch.equal(white.returns, raw.returns)  # value targets are not whitened
     # by hand, gae with the mask on (advantages of test_gae_mask_on_skips_tool_tokens_hand_worked)
     if name == "gae":
-        out = compute_advantages(name, TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8, whiten=True,
-                                 eps=0.0)
+        out = estimate_advantages(
+            name, AdvantageInputs(TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES, gamma=0.9, lam=0.8, whiten=True, eps=0.0)
+        )
         five = [0.86624, 1.092, 0.6, 0.31, 0.5]
         mean, std = statistics.mean(five), statistics.stdev(five)
         assert out.advantages[0, 4].item() == pytest.approx((0.6 - mean) / std, abs=1e-5)
@@ -165,25 +173,28 @@ def test_a_group_of_one_gets_advantage_zero_and_one_warning(name, monkeypatch):
     rewards, mask = grid(responses_only([[1], [1], [2]], [[1.0], [0.0], [1.0]]))
     groups = torch.tensor([0, 0, 5])  # episode 2 is alone
     with pytest.warns(GroupOfOneWarning, match=f"{name}: 1 episode"):
-        out = compute_advantages(name, rewards, mask, groups)
-    assert out.advantages[2].tolist() == [0.0, 0.0] and out.returns[2].tolist() == [1.0, 1.0]
-    assert out.advantages[0, 0] > 0 > out.advantages[1, 0]
+        out = estimate_advantages(name, AdvantageInputs(rewards, mask, groups))
+    assert out.advantages[2, 1:].tolist() == [0.0, 0.0] and out.returns[2, 1:].tolist() == [1.0, 1.0]
+    assert out.advantages[0, 1] > 0 > out.advantages[1, 1]  # column 1: the first action token
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once: a second batch with a group of one is silent
-        compute_advantages(name, rewards, mask, groups)
-        compute_advantages(name, rewards, mask, torch.tensor([0, 0, 1]))  # no group of one: silent too
+        estimate_advantages(name, AdvantageInputs(rewards, mask, groups))
+        # no group of one: silent too
+        estimate_advantages(name, AdvantageInputs(rewards, mask, torch.tensor([0, 0, 1])))
 
 
 def test_critic_estimators_need_values_and_step_gae_needs_step_starts():
     for name in ("gae", "step_gae"):
         with pytest.raises(ValueError, match="needs a critic"):
-            compute_advantages(name, TOOL_REWARDS, ACTIONS, PAIR, step_starts=STARTS)
+            estimate_advantages(name, AdvantageInputs(TOOL_REWARDS, ACTIONS, PAIR, step_starts=STARTS))
     with pytest.raises(ValueError, match="step_starts"):
-        compute_advantages("step_gae", TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES)
+        estimate_advantages("step_gae", AdvantageInputs(TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES))
     outside = STARTS.clone()
     outside[0, 2] = True  # a tool column
     with pytest.raises(ValueError, match="outside the mask"):
-        compute_advantages("step_gae", TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES, step_starts=outside)
+        estimate_advantages(
+            "step_gae", AdvantageInputs(TOOL_REWARDS, ACTIONS, PAIR, TOOL_VALUES, step_starts=outside)
+        )
 
 
 # ---------------------------------------------------- reinforce_pp / reinforce_pp_baseline
@@ -193,7 +204,7 @@ def test_reinforce_pp_hand_worked():
     # e1 [a a] reward -1 on column 1. gamma 0.5.
     rewards = torch.tensor([[0.0, 0.5, 7.0, 1.0], [0.0, -1.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1, 0, 1], [1, 1, 0, 0]])
-    out = compute_advantages("reinforce_pp", rewards, mask, PAIR, gamma=0.5, eps=0.0)
+    out = estimate_advantages("reinforce_pp", AdvantageInputs(rewards, mask, PAIR, gamma=0.5, eps=0.0))
     # G: e0 = [0 + 0.5*1.0, 0.5 + 0.5*1, -, 1] = [0.5, 1.0, -, 1.0]; e1 = [-0.5, -1]
     assert torch.allclose(out.returns, torch.tensor([[0.5, 1.0, 0, 1.0], [-0.5, -1.0, 0, 0]]))
     # five masked tokens: mean 0.2, squared deviations sum 3.3, unbiased var 3.3/4
@@ -206,7 +217,9 @@ def test_reinforce_pp_baseline_hand_worked():
     # e0, e1 in group 0 with scores 1.5 (3 tokens) and -1 (2 tokens); e2 alone (1 token, score 2)
     rewards = torch.tensor([[0.0, 0.5, 1.0], [0.0, -1.0, 0.0], [2.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0]])
-    out = compute_advantages("reinforce_pp_baseline", rewards, mask, torch.tensor([0, 0, 3]), eps=0.0)
+    out = estimate_advantages(
+        "reinforce_pp_baseline", AdvantageInputs(rewards, mask, torch.tensor([0, 0, 3]), eps=0.0)
+    )
     # centred: e0 1.25, e1 -1.25, e2 keeps 2 (no group baseline); token mean = 3.25/6 = 13/24;
     # deviations 17/24, -43/24, 35/24; unbiased var = (3*17^2 + 2*43^2 + 35^2)/576/5 = 1158/576
     root = math.sqrt(1158)
@@ -302,10 +315,10 @@ def random_batch(seed):
 def test_torch_matches_plain_reference_on_random_batches(name, norm_by_std, seed):
     rewards, mask, values, starts, groups, gamma, lam = random_batch(seed)
     eps = 1e-6
-    out = compute_advantages(
-        name, torch.tensor(rewards), torch.tensor(mask), torch.tensor(groups), torch.tensor(values),
+    out = estimate_advantages(name, AdvantageInputs(
+        torch.tensor(rewards), torch.tensor(mask), torch.tensor(groups), torch.tensor(values),
         gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std, step_starts=torch.tensor(starts),
-    )
+    ))
     if name == "gae":
         expected = ref_gae(rewards, mask, values, gamma, lam)
     elif name == "step_gae":
@@ -348,11 +361,11 @@ def test_observation_rewards_and_values_matter_only_with_the_mask_off(name):
     on_actions = layout.action_mask == 1
 
     def run(use_mask, perturb):
-        return compute_advantages(
-            name, layout.token_rewards + perturb * noise, advantage_mask(layout, use_mask), groups,
+        return estimate_advantages(name, AdvantageInputs(
+            layout.token_rewards + perturb * noise, advantage_mask(layout, use_mask), groups,
             values + perturb * noise, gamma=0.9, lam=0.95, step_starts=layout.step_starts,
             norm_by_std=False,  # with std, a group of two always gets +-1/sqrt(2): nothing could change
-        ).advantages[on_actions]
+        )).advantages[on_actions]
 
     assert torch.equal(run(True, 0.0), run(True, 1.0))
     assert not torch.allclose(run(False, 0.0), run(False, 1.0), atol=1e-4)
@@ -364,14 +377,14 @@ def test_estimators_are_registered_and_unknown_names_list_the_valid_ones():
     assert set(ALL_ESTIMATORS) == set(ADVANTAGE_ESTIMATORS.names())
     rewards, mask = grid(responses_only(LENGTHS, REWARDS))
     with pytest.raises(UnknownNameError, match="gae.*grpo.*rloo"):
-        compute_advantages("gpro", rewards, mask, GROUPS)
+        estimate_advantages("gpro", AdvantageInputs(rewards, mask, GROUPS))
 
 
 def test_estimators_reject_mismatched_shapes():
     rewards, mask = grid(responses_only(LENGTHS, REWARDS))
     with pytest.raises(ValueError, match="group_index"):
-        compute_advantages("grpo", rewards, mask, GROUPS[:3])
+        estimate_advantages("grpo", AdvantageInputs(rewards, mask, GROUPS[:3]))
     with pytest.raises(ValueError, match="mask shape"):
-        compute_advantages("rloo", rewards, mask[:, :2], GROUPS)
+        estimate_advantages("rloo", AdvantageInputs(rewards, mask[:, :2], GROUPS))
     with pytest.raises(ValueError, match="values shape"):
-        compute_advantages("gae", rewards, mask, GROUPS, torch.zeros(6, 2))
+        estimate_advantages("gae", AdvantageInputs(rewards, mask, GROUPS, torch.zeros(6, 2)))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agent_core.io.configs import load_config
 from agent_core.io.layout import DataRoot
 from agent_core.io.tables import read_table
+from agent_core.validation import load_config
 from flows.train import train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

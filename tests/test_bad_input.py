@@ -21,8 +21,9 @@ from agent_core.io.checkpoints import CheckpointError
 from agent_core.io.layout import DataRoot
 from agent_core.io.tables import TableReadError, write_table
 from flows.cli import main as cli_main
+from tasks._common import split_prompts
 from tasks.label_rewards import label_rewards
-from tasks.prepare_data import prepare_dataset, split_prompts
+from tasks.prepare_data import prepare_dataset
 from tasks.rollout import rollout
 from test_schemas import steps_rows
 

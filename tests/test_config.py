@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from agent_core.config import ConfigError, PipelineConfig
-from agent_core.io.configs import load_config, save_config
+from agent_core.io.config_files import save_config
+from agent_core.validation import load_config
 from tests.conftest import REPO_ROOT
 
 

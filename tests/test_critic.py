@@ -10,13 +10,21 @@ import torch
 
 from agent_core.algos.losses import clipped_value_loss
 from agent_core.algos.step_advantages import StepRewardRow, prepare_episodes, score_on_grid
-from agent_core.io.checkpoints import save_policy
+from agent_core.io.checkpoints import save_critic, save_policy
 from agent_core.training.batches import TrainSequence, TrainStep, choose_layout, make_micro_batches
-from agent_core.io.critics import build_critic, load_critic, save_critic
-from agent_core.training.critic import ValueModel, score_logprobs, score_values, value_model_from_policy
+from agent_core.training.critic import (
+    ValueModel,
+    build_critic,
+    load_critic,
+    score_logprobs,
+    score_values,
+    value_model_from_policy,
+)
 from agent_core.training.model import build_tiny_policy, build_tokenizer
 from agent_core.training.prepared import prepare_update
-from agent_core.training.trainer import sequence_logprobs, train_iteration
+from agent_core.training.settings import PPOSettings
+from agent_core.training.scoring import sequence_logprobs
+from agent_core.training.trainer import train_iteration
 
 TEXTS = ["the capital of france is paris", "<search>who wrote hamlet</search>", "<answer>shakespeare</answer>"] * 4
 
@@ -147,9 +155,9 @@ def critic_delta(policy, sequences):
     critic = random_head(value_model_from_policy(policy), seed=2)
     before = [p.detach().clone() for p in critic.parameters()]
     model = copy.deepcopy(policy)
-    train_iteration(model, torch.optim.SGD(model.parameters(), lr=0.0), sequences, critic=critic,
-                    critic_optimizer=torch.optim.SGD(critic.parameters(), lr=1.0), pad_id=0, max_grad_norm=None,
-                    value_clip=None, use_loss_mask=True, use_advantage_mask=False)
+    settings = PPOSettings(max_grad_norm=None, value_clip=None, use_loss_mask=True, use_advantage_mask=False)
+    train_iteration(model, torch.optim.SGD(model.parameters(), lr=0.0), sequences, settings, pad_id=0, critic=critic,
+                    critic_optimizer=torch.optim.SGD(critic.parameters(), lr=1.0))
     return [p.detach() - b for p, b in zip(critic.parameters(), before)]
 
 
@@ -177,11 +185,11 @@ def test_critic_values_come_from_the_context_each_action_was_generated_in(policy
     critic = random_head(value_model_from_policy(policy), seed=3)
     # a last_k window: step 1's prompt drops step 0's response, so the episode's row (its
     # responses back to back) is a context the policy never saw
-    windowed = [StepRewardRow("w", "g", 0, [5, 9], [44, 17], 0.0, 0.0),
-                StepRewardRow("w", "g", 1, [5, 9, 60, 61], [3, 12], 0.0, 1.0)]
-    packed = [StepRewardRow("p", "g", 0, [5, 9], [44], 0.0, 0.0),
-              StepRewardRow("p", "g", 1, [5, 9, 44, 62], [13], 0.0, 1.0)]
-    batch = prepare_episodes(windowed + packed, process_weight=1.0, process_norm="none")
+    windowed = [StepRewardRow("w", "g", 0, [5, 9], [44, 17], 0.0),
+                StepRewardRow("w", "g", 1, [5, 9, 60, 61], [3, 12], 1.0)]
+    packed = [StepRewardRow("p", "g", 0, [5, 9], [44], 0.0),
+              StepRewardRow("p", "g", 1, [5, 9, 44, 62], [13], 1.0)]
+    batch = prepare_episodes(windowed + packed)
     seen = []
 
     def score(contexts):
@@ -191,6 +199,7 @@ def test_critic_values_come_from_the_context_each_action_was_generated_in(policy
     grid = score_on_grid(batch, score)
     assert seen == [[5, 9, 44, 17], [5, 9, 60, 61, 3, 12], [5, 9, 44, 62, 13]]
     own = score_values(critic, [r.prompt_ids + r.response_ids for r in windowed + packed], 0, 4096)
-    assert grid[0, :4].tolist() == pytest.approx(own[0][2:] + own[1][4:], abs=1e-6)
-    # append-only: one pass over the row [44 | 62 | 13]; each action's value equals its own context's
-    assert grid[1, :3].tolist() == pytest.approx([own[2][2]] + own[3][3:], abs=1e-6)
+    # grid column t = position t of the episode's row; the first prompt [5, 9] takes columns 0 and 1
+    assert grid[0, 2:6].tolist() == pytest.approx(own[0][2:] + own[1][4:], abs=1e-6)
+    # append-only: one pass over the row [5, 9 | 44 | 62 | 13]; each action's value equals its own context's
+    assert grid[1, 2:5].tolist() == pytest.approx([own[2][2]] + own[3][3:], abs=1e-6)

@@ -1,4 +1,4 @@
-"""One contract for every engine (DESIGN.md §6), run against `hf` and `vllm` on the same tiny checkpoint.
+"""One contract for every engine (docs/architecture.md §6), run against `hf` and `vllm` on the same tiny checkpoint.
 
 Same token ids in; out: one generation per prompt in order, valid ids, finite log-probs, finish
 reasons that agree with the stop tokens and the budget; a seeded call is reproducible; the log-probs

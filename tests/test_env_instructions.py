@@ -81,7 +81,7 @@ def test_search_qa_with_and_without_instructions(task):
 
 
 def test_rollout_tool_instructions_and_env_kwargs_reach_the_eval_settings():
-    from agent_core.io.configs import load_config
+    from agent_core.validation import load_config
     from tasks.evaluate import run_eval_settings
 
     tiny = REPO_ROOT / "configs" / "tiny.yaml"
@@ -94,7 +94,7 @@ def test_rollout_tool_instructions_and_env_kwargs_reach_the_eval_settings():
 
 def test_rollout_tool_instructions_reach_the_training_envs(monkeypatch):
     from agent_core.config import RolloutConfig
-    from tasks.rollout import _env_of
+    from tasks._common import env_of as _env_of
 
     prompt = generate_synthetic_qa(seed=0, num_films=8, num_people=6, num_cities=3, num_countries=2).prompts[0]
     assert _env_of(prompt, RolloutConfig())[1]["instructions"] is False
@@ -102,7 +102,7 @@ def test_rollout_tool_instructions_reach_the_training_envs(monkeypatch):
     kwargs = _env_of(prompt, RolloutConfig(tool_instructions=True, env_kwargs={"instructions": False}))[1]
     assert kwargs["instructions"] is False
     # an env that takes no `instructions` (a user's) is not given one
-    monkeypatch.setattr("tasks.rollout.env_kwarg_names", lambda name: ["top_k", "tool_format"])
+    monkeypatch.setattr("tasks._common.env_kwarg_names", lambda name: ["top_k", "tool_format"])
     assert "instructions" not in _env_of(prompt, RolloutConfig())[1]
 
 

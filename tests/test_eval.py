@@ -275,7 +275,7 @@ def test_one_seed_has_zero_std_and_a_missing_cell_is_a_dash():
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    from agent_core.io.configs import load_config
+    from agent_core.validation import load_config
     from flows.train import train
 
     data_root = tmp_path_factory.mktemp("eval-data")

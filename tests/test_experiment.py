@@ -9,7 +9,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from agent_core.eval.experiment import ArmConfig, ExperimentConfig, Score, load_experiment, target_checks
+from agent_core.eval.experiment import ArmConfig, ExperimentConfig, MethodEm, load_experiment, target_checks
 from agent_core.io.layout import DataRoot
 from agent_core.io.query import run_query
 
@@ -23,8 +23,8 @@ def _exp(**kwargs) -> ExperimentConfig:
 
 
 def test_targets_by_hand():
-    em = {"naive_rag": Score(0.1, 0.0), "base_tool_call": Score(0.2, 0.0), "ppo": Score(0.3, 0.0),
-          "grpo": Score(0.25, 0.0), "ppo-nomask": Score(0.35, 0.0)}
+    em = {"naive_rag": MethodEm(0.1, 0.0), "base_tool_call": MethodEm(0.2, 0.0), "ppo": MethodEm(0.3, 0.0),
+          "grpo": MethodEm(0.25, 0.0), "ppo-nomask": MethodEm(0.35, 0.0)}
     ratio, beat_base, ablation = target_checks(_exp(), em)
     # the best algorithm arm (ablations excluded) is PPO: 0.3 / 0.1 = 3.00 >= 2.5
     assert ratio.met and "PPO 0.300 vs Naive RAG 0.100: 3.00x" in ratio.detail
@@ -32,8 +32,8 @@ def test_targets_by_hand():
 
 
 def test_ratio_target_is_met_at_exactly_the_ratio():
-    em = {"naive_rag": Score(0.1, 0.0), "base_tool_call": Score(0.3, 0.0), "ppo": Score(0.25, 0.0),
-          "grpo": Score(0.2, 0.0), "ppo-nomask": Score(0.1, 0.0)}
+    em = {"naive_rag": MethodEm(0.1, 0.0), "base_tool_call": MethodEm(0.3, 0.0), "ppo": MethodEm(0.25, 0.0),
+          "grpo": MethodEm(0.2, 0.0), "ppo-nomask": MethodEm(0.1, 0.0)}
     ratio, beat_base, ablation = target_checks(_exp(), em)
     assert ratio.met and "2.50x" in ratio.detail
     assert not beat_base.met and "not: PPO, GRPO" in beat_base.detail
@@ -43,12 +43,12 @@ def test_ratio_target_is_met_at_exactly_the_ratio():
 def test_differences_inside_the_seed_std_do_not_count():
     # PPO beats base by 0.05 with std 0.06: inside the noise; GRPO by 0.05 with std 0.04: outside.
     # The ablation is 0.05 below PPO, but PPO's std 0.06 swallows it.
-    em = {"naive_rag": Score(0.1, 0.0), "base_tool_call": Score(0.2, 0.01), "ppo": Score(0.25, 0.06),
-          "grpo": Score(0.25, 0.04), "ppo-nomask": Score(0.2, 0.01)}
+    em = {"naive_rag": MethodEm(0.1, 0.0), "base_tool_call": MethodEm(0.2, 0.01), "ppo": MethodEm(0.25, 0.06),
+          "grpo": MethodEm(0.25, 0.04), "ppo-nomask": MethodEm(0.2, 0.01)}
     _, beat_base, ablation = target_checks(_exp(), em)
     assert not beat_base.met and beat_base.detail.endswith("not: PPO")
     assert not ablation.met and "0.200 ± 0.010 vs 0.250 ± 0.060" in ablation.detail
-    em["ppo"] = Score(0.25, 0.04)
+    em["ppo"] = MethodEm(0.25, 0.04)
     _, beat_base, ablation = target_checks(_exp(), em)
     assert beat_base.met and ablation.met
 

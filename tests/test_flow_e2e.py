@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from agent_core.io.configs import load_config
 from agent_core.io.layout import RUN_TABLES, DataRoot
 from agent_core.io.query import run_query
 from agent_core.io.tables import read_table
+from agent_core.validation import load_config
 from flows.cli import main as cli_main
 from flows.rerun import rerun_stage
 from flows.train import train

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from agent_core.config import build_config
 from agent_core.envs.registry import ENVS, EnvResources, make_env
 from agent_core.envs.tools import TOOLS
 from agent_core.io.tables import read_table, write_table
@@ -21,6 +20,7 @@ from agent_core.rollout.engine import SamplingParams
 from agent_core.rollout.hf_engine import HFEngine
 from agent_core.training.model import build_tiny_policy, build_tokenizer
 from agent_core.types import ChatMessage, Prompt
+from agent_core.validation import build_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GUIDES = REPO_ROOT / "docs" / "guides"

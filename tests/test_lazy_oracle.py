@@ -101,7 +101,8 @@ def test_oracle_episodes_make_the_lazy_fraction_of_tool_episodes_lazy(tmp_path):
     from agent_core.io.layout import DataRoot
     from agent_core.io.tables import read_table
     from agent_core.training.model import build_tiny_policy
-    from tasks.prepare_data import prepare_dataset, read_corpus, split_prompts
+    from tasks._common import read_corpus, split_prompts
+    from tasks.prepare_data import prepare_dataset
     from tasks.warm_start import oracle_episodes
 
     dataset = prepare_dataset.fn(str(tmp_path), DataConfig(num_films=24, num_people=20, num_cities=8, num_countries=4,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_core.io.configs import load_config
 from agent_core.io.layout import DataRoot
+from agent_core.validation import load_config
 from flows.train import train
 
 pytestmark = pytest.mark.slow

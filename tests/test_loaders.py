@@ -295,7 +295,7 @@ def test_split_files_become_one_dataset_with_each_files_split(tmp_path):
 
 def test_config_with_a_real_source_prepares_its_tables(tmp_path):
     from agent_core.config import DataConfig
-    from agent_core.io.configs import load_config
+    from agent_core.validation import load_config
     from tasks.prepare_data import prepare_dataset
 
     data = DataConfig(source="musique", files={"dev": str(FIXTURES / "musique_full_v1.0_dev.jsonl")})

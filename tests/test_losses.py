@@ -9,6 +9,7 @@ import torch
 
 from agent_core.algos.losses import (
     LOSS_AGG_MODES,
+    POLICY_LOSSES,
     aggregate_loss,
     entropy_from_logits,
     masked_mean,
@@ -99,6 +100,13 @@ def test_aggregation_uses_given_normalizers_and_rejects_unknown_modes():
     assert set(LOSS_AGG_MODES.names()) == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
     with pytest.raises(UnknownNameError, match="seq-mean-token-mean"):
         aggregate_loss(LOSS, MASK, "sequence-mean")
+
+
+def test_policy_losses_are_registered_and_unknown_names_list_the_valid_ones():
+    assert POLICY_LOSSES.names() == ["ppo_clip"]
+    assert POLICY_LOSSES.get("ppo_clip") is ppo_clip_loss
+    with pytest.raises(UnknownNameError, match="unknown policy loss 'ppo'; valid policy loss names: ppo_clip"):
+        POLICY_LOSSES.get("ppo")
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])

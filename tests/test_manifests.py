@@ -9,9 +9,9 @@ import pytest
 
 from agent_core.config import TrainerConfig
 from agent_core.failpoints import TRACE_ENV, _selects, failpoint
-from agent_core.io.configs import load_config
 from agent_core.io.layout import DataRoot
 from agent_core.io.manifests import ABSENT, ManifestError, StageRecord, fingerprint, params_hash
+from agent_core.validation import load_config
 from flows.train import train
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Masks: the action mask of a step, and the loss/advantage masks on and off (DESIGN.md §3)."""
+"""Masks: the action mask of a step, and the loss/advantage masks on and off (docs/architecture.md §3)."""
 
 from __future__ import annotations
 

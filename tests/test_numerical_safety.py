@@ -27,7 +27,7 @@ from schemas import TableValidationError
 import tasks.train
 from tasks.train import train_policy
 from test_schemas import steps_rows
-from test_trainer import ITERATION, UPDATE, full_steps, parameters, random_steps, tiny_llama
+from test_trainer import ITERATION, PAD, UPDATE, full_steps, parameters, random_steps, tiny_llama
 
 NAMES = {"advantages": "advantages", "old_logprobs": "old log-probs", "ref_logprobs": "reference log-probs"}
 
@@ -57,7 +57,7 @@ def test_a_non_finite_input_skips_the_update_and_names_it(field, value):
     before = parameters(model)
     steps = full_steps(3)
     steps[2] = _poison(steps[2], field, value)
-    result = ppo_update(model, optimizer, steps, **UPDATE)
+    result = ppo_update(model, optimizer, steps, UPDATE, pad_id=PAD)
     assert result.skipped and result.skip_reason.startswith(f"non-finite inputs ({NAMES[field]}")
     assert result.skip_reason.endswith(": 1 values)")
     assert math.isnan(result.loss) and math.isnan(result.grad_norm)
@@ -70,7 +70,7 @@ def test_an_infinite_old_logprob_no_longer_steps_silently():
     model = tiny_llama()
     steps = random_steps(4)
     steps[0] = _poison(steps[0], "old_logprobs", math.inf)
-    result = ppo_update(model, make_optimizer(model, lr=1e-3), steps, **UPDATE)
+    result = ppo_update(model, make_optimizer(model, lr=1e-3), steps, UPDATE, pad_id=PAD)
     assert result.skipped and "old log-probs" in result.skip_reason
 
 
@@ -81,12 +81,13 @@ def test_poisoned_weights_give_non_finite_log_probs_and_skip_the_update(value):
         model.model.layers[0].mlp.down_proj.weight[0, 0] = value
     optimizer = make_optimizer(model, lr=1e-3)
     before = parameters(model)
-    [result] = train_iteration(model, optimizer, random_steps(5), **ITERATION)
+    [result] = train_iteration(model, optimizer, random_steps(5), ITERATION, pad_id=PAD)
     assert result.skipped and result.skip_reason.startswith("non-finite log-probs from the model on ")
     assert "weights or activations overflowed" in result.skip_reason
     _assert_untouched(model, optimizer, before)
     # recomputed old log-probs come from the same broken model: the inputs check names them
-    [recomputed] = train_iteration(model, optimizer, random_steps(5), recompute_old_logprobs=True, **ITERATION)
+    [recomputed] = train_iteration(model, optimizer, random_steps(5), replace(ITERATION, recompute_old_logprobs=True),
+                                   pad_id=PAD)
     assert recomputed.skip_reason.startswith("non-finite inputs (old log-probs")
 
 
@@ -96,21 +97,21 @@ def test_the_critic_step_is_skipped_for_bad_returns_or_a_broken_value_head():
     steps = full_steps(6)
     bad = list(steps)
     bad[1] = _poison(bad[1], "returns", math.inf)
-    [result] = train_iteration(model, make_optimizer(model, lr=1e-3), bad, critic=critic,
-                               critic_optimizer=make_optimizer(critic, lr=1e-2), **ITERATION)
+    [result] = train_iteration(model, make_optimizer(model, lr=1e-3), bad, ITERATION, pad_id=PAD, critic=critic,
+                               critic_optimizer=make_optimizer(critic, lr=1e-2))
     assert result.skip_reason == "critic: non-finite inputs (returns: 1 values)" and math.isfinite(result.loss)
     with torch.no_grad():
         critic.value_head.weight.fill_(math.nan)
-    [result] = train_iteration(model, make_optimizer(model, lr=1e-3), steps, critic=critic,
-                               critic_optimizer=make_optimizer(critic, lr=1e-2), **ITERATION)
+    [result] = train_iteration(model, make_optimizer(model, lr=1e-3), steps, ITERATION, pad_id=PAD, critic=critic,
+                               critic_optimizer=make_optimizer(critic, lr=1e-2))
     assert result.skip_reason.startswith("critic: non-finite values from the model")
     assert math.isfinite(result.loss)  # the policy step is independent of the critic's
 
 
 def test_finite_updates_are_unaffected():
     model = tiny_llama()
-    results = train_iteration(model, make_optimizer(model, lr=1e-3), full_steps(7), epochs=2, mini_batches=2,
-                              kl_coef=0.1, **ITERATION)
+    results = train_iteration(model, make_optimizer(model, lr=1e-3), full_steps(7),
+                              replace(ITERATION, epochs=2, mini_batches=2, kl_coef=0.1), pad_id=PAD)
     assert not any(r.skipped for r in results) and all(math.isfinite(r.loss) for r in results)
 
 
@@ -157,7 +158,7 @@ def test_a_model_is_savable_only_with_finite_parameters_and_log_probs():
                                                      r"training \(model\.norm\.weight, lm_head\.weight\)"):
         check_savable(model.named_parameters(), iteration=2, what="critic")
     big = tiny_llama()
-    assert not ppo_update(big, make_optimizer(big, lr=1e30), random_steps(8), **UPDATE).skipped
+    assert not ppo_update(big, make_optimizer(big, lr=1e30), random_steps(8), UPDATE, pad_id=PAD).skipped
     assert nonfinite_parameters(big.named_parameters()) == []  # weights of ~1e30 are finite, their forward pass is not
     probe = probe_logprobs(big, [3, 4, 5, 6], 0)
     with pytest.raises(NonFiniteTrainingError, match="parameters are finite but its log-probs are not"):
@@ -228,8 +229,9 @@ def test_a_stray_non_finite_update_is_skipped_recorded_and_the_run_goes_on(tmp_p
     on the training sequences: its mini-batch is skipped, the other one trains."""
     real = tasks.train.train_iteration
 
-    def with_a_bad_advantage(model, optimizer, sequences, **kwargs):
-        return real(model, optimizer, [_poison(sequences[0], "advantages", math.nan), *sequences[1:]], **kwargs)
+    def with_a_bad_advantage(model, optimizer, sequences, settings, **kwargs):
+        return real(model, optimizer, [_poison(sequences[0], "advantages", math.nan), *sequences[1:]], settings,
+                    **kwargs)
 
     monkeypatch.setattr(tasks.train, "train_iteration", with_a_bad_advantage)
     run = _run_with_tables(tmp_path)

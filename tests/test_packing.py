@@ -15,7 +15,9 @@ from agent_core.training.batches import (
 )
 from agent_core.training.critic import score_values, value_model_from_policy
 from agent_core.training.model import build_tiny_policy, build_tokenizer
-from agent_core.training.trainer import score_logprobs, sequence_logprobs, train_iteration
+from agent_core.training.settings import PPOSettings
+from agent_core.training.scoring import score_logprobs, sequence_logprobs
+from agent_core.training.trainer import train_iteration
 
 PAD = 0
 
@@ -111,8 +113,8 @@ def test_packed_and_step_rows_give_equal_logprobs_values_and_loss(policy):
     def one_step(sequences):
         model = copy.deepcopy(policy)
         before = [p.detach().clone() for p in model.parameters()]
-        [result] = train_iteration(model, torch.optim.SGD(model.parameters(), lr=1.0), sequences, pad_id=PAD,
-                                   max_grad_norm=None, agg_mode="token-mean", kl_coef=0.1)
+        settings = PPOSettings(max_grad_norm=None, agg_mode="token-mean", kl_coef=0.1)
+        [result] = train_iteration(model, torch.optim.SGD(model.parameters(), lr=1.0), sequences, settings, pad_id=PAD)
         return result, [p.detach() - b for p, b in zip(model.parameters(), before)]
 
     packed_result, packed_delta = one_step(packed)
@@ -136,9 +138,9 @@ def update_deltas(policy, sequences, use_masks: bool):
     params = list(model.parameters()) + list(critic.parameters())
     before = [p.detach().clone() for p in params]
     [result] = train_iteration(
-        model, torch.optim.SGD(model.parameters(), lr=1.0), sequences, critic=critic,
-        critic_optimizer=torch.optim.SGD(critic.parameters(), lr=1.0), pad_id=PAD, max_grad_norm=None,
-        value_clip=None, use_loss_mask=use_masks, use_advantage_mask=use_masks,
+        model, torch.optim.SGD(model.parameters(), lr=1.0), sequences,
+        PPOSettings(max_grad_norm=None, value_clip=None, use_loss_mask=use_masks, use_advantage_mask=use_masks),
+        pad_id=PAD, critic=critic, critic_optimizer=torch.optim.SGD(critic.parameters(), lr=1.0),
     )
     assert not result.skipped
     n_policy = len(list(model.parameters()))

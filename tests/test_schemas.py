@@ -31,7 +31,8 @@ EXPECTED_SCHEMAS = {
               ("termination", S, True), ("truncated", B, False), ("finish_reason", S, False), ("prefix_shared", B, False), ("info", S, False)],
     "rewards": [("run_id", S, False), ("iteration", I32, False), ("episode_id", S, False), ("group_id", S, False),
                 ("prompt_id", S, False), ("sample_idx", I32, False), ("step_idx", I32, False),
-                ("process_reward", F64, False), ("outcome_reward", F64, False), ("reward", F64, False),
+                ("process_reward", F64, False), ("outcome_reward", F64, False), ("process_factor", F64, False),
+                ("reward", F64, False),
                 ("em", F64, True), ("f1", F64, True), ("format_score", F64, True), ("components", S, False),
                 ("scorer", S, False)],
     "advantages": [("run_id", S, False), ("iteration", I32, False), ("episode_id", S, False), ("step_idx", I32, False),
@@ -92,7 +93,7 @@ def rewards_rows() -> list[dict]:
     return [
         {"run_id": "r1", "iteration": 0, "episode_id": f"ep-{e}", "group_id": "g0", "prompt_id": "q0", "sample_idx": e,
          "step_idx": s, "process_reward": -0.1, "outcome_reward": 1.0 if s == 2 else 0.0,
-         "reward": 0.9 if s == 2 else -0.1, "em": 1.0 if s == 2 else None, "f1": None, "format_score": 0.5,
+         "process_factor": 1.0, "reward": 0.9 if s == 2 else -0.1, "em": 1.0 if s == 2 else None, "f1": None, "format_score": 0.5,
          "components": json.dumps({"em": 1.0, "format": 5e-1, "tool_fail": -1}), "scorer": "qa_em"}
         for e in range(2) for s in range(3)
     ]
@@ -199,7 +200,9 @@ STEPS_CASES = [
     (_set(done=None), 1, "done", "not null", "ep-0/1"),
 ]
 REWARDS_CASES = [
-    (_set(reward=1.0), 2, "reward", "equals process_reward + outcome_reward (to 1e-06)", "ep-0/2"),
+    (_set(reward=1.0), 2, "reward", "equals outcome_reward + process_factor * process_reward (to 1e-06)", "ep-0/2"),
+    (_set(process_factor=0.5), 0, "reward", "equals outcome_reward + process_factor * process_reward (to 1e-06)",
+     "ep-0/0"),
     (_set(process_reward=math.nan), 0, "process_reward", "finite", "ep-0/0"),
     (_set(outcome_reward=-math.inf), 0, "outcome_reward", "finite", "ep-0/0"),
     (_set(em=1.5), 3, "em", "in [0, 1]", "ep-1/0"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,11 +11,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from agent_core.training.batches import TrainSequence, make_micro_batches, step_sequence
 from agent_core.registry import UnknownNameError
-from agent_core.training.trainer import make_optimizer, ppo_update, sequence_logprobs
+from agent_core.training.settings import PPOSettings
+from agent_core.training.scoring import score_logprobs, sequence_logprobs
+from agent_core.training.trainer import make_optimizer, ppo_update
 
 PAD = 0
-UPDATE = dict(
-    pad_id=PAD, clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, max_grad_norm=None,
+UPDATE = PPOSettings(
+    clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, max_grad_norm=None,
     micro_batch_tokens=4096, temperature=1.0, agg_mode="token-mean",
 )
 
@@ -100,7 +103,8 @@ def test_one_update_changes_every_trainable_parameter():
     before = parameters(model)
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0)
     steps = random_steps(2)
-    result = ppo_update(model, optimizer, steps, **{**UPDATE, "max_grad_norm": 1.0, "entropy_coef": 0.01})
+    result = ppo_update(model, optimizer, steps, replace(UPDATE, max_grad_norm=1.0, entropy_coef=0.01),
+                        pad_id=PAD)
     assert not result.skipped and result.skip_reason is None
     assert result.tokens == sum(sum(s.action_mask) for s in steps)
     assert result.lr == pytest.approx(1e-3)
@@ -114,7 +118,8 @@ def sgd_delta(steps, seed=0, **overrides) -> dict[str, torch.Tensor]:
     """Parameter change of one plain SGD step (lr 1): minus the accumulated gradient."""
     model = tiny_llama(seed)
     before = parameters(model)
-    result = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), steps, **{**UPDATE, **overrides})
+    result = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), steps, replace(UPDATE, **overrides),
+                        pad_id=PAD)
     assert not result.skipped
     return {name: p.detach() - before[name] for name, p in model.named_parameters()}
 
@@ -175,7 +180,7 @@ def test_nan_advantage_skips_the_step_and_leaves_parameters_unchanged():
     steps = random_steps(5)
     bad = steps[2]
     steps[2] = TrainSequence(bad.input_ids, bad.action_mask, bad.old_logprobs, bad.advantages[:-1] + [float("nan")])
-    result = ppo_update(model, optimizer, steps, **UPDATE)
+    result = ppo_update(model, optimizer, steps, UPDATE, pad_id=PAD)
     assert result.skipped and "non-finite" in result.skip_reason
     assert all(torch.equal(p.detach(), before[name]) for name, p in model.named_parameters())
     assert all(p.grad is None for p in model.parameters())
@@ -185,7 +190,7 @@ def test_nan_advantage_skips_the_step_and_leaves_parameters_unchanged():
 def test_update_without_loss_tokens_is_skipped():
     model = tiny_llama()
     empty = [step_sequence([3, 4, 5], [], [], []), step_sequence([7, 8], [], [], [])]
-    result = ppo_update(model, make_optimizer(model, lr=1e-3), empty, **UPDATE)
+    result = ppo_update(model, make_optimizer(model, lr=1e-3), empty, UPDATE, pad_id=PAD)
     assert result.skipped and result.skip_reason == "no tokens in the loss mask"
     assert result.tokens == 0
 
@@ -198,9 +203,9 @@ from agent_core.training.critic import value_model_from_policy  # noqa: E402
 from agent_core.training.schedule import (  # noqa: E402
     LR_SCHEDULES, lr_multiplier, make_lr_scheduler, optimizer_step_count,
 )
-from agent_core.training.trainer import score_logprobs, train_iteration  # noqa: E402
+from agent_core.training.trainer import train_iteration  # noqa: E402
 
-ITERATION = dict(pad_id=PAD, max_grad_norm=1.0, micro_batch_tokens=24)
+ITERATION = PPOSettings(max_grad_norm=1.0, micro_batch_tokens=24)
 
 
 def full_steps(seed: int, count: int = 6, ref_from=None) -> list[TrainSequence]:
@@ -223,8 +228,8 @@ def test_train_iteration_takes_one_step_per_mini_batch_and_is_seeded():
     runs = []
     for _ in range(2):
         model = tiny_llama()
-        results = train_iteration(model, make_optimizer(model, lr=1e-3), steps, epochs=2, mini_batches=3, seed=7,
-                                  **ITERATION)
+        results = train_iteration(model, make_optimizer(model, lr=1e-3), steps,
+                                  replace(ITERATION, epochs=2, mini_batches=3), pad_id=PAD, seed=7)
         runs.append(results)
     results = runs[0]
     assert len(results) == 6 and not any(r.skipped for r in results)
@@ -239,8 +244,8 @@ def test_recomputed_old_logprobs_start_on_policy_and_rollout_ones_do_not():
     first = {}
     for recompute in (True, False):
         model = tiny_llama()
-        first[recompute] = train_iteration(model, make_optimizer(model, lr=1e-3), steps, clip_low=0.01,
-                                           clip_high=0.01, recompute_old_logprobs=recompute, **ITERATION)[0]
+        settings = replace(ITERATION, clip_low=0.01, clip_high=0.01, recompute_old_logprobs=recompute)
+        first[recompute] = train_iteration(model, make_optimizer(model, lr=1e-3), steps, settings, pad_id=PAD)[0]
     assert first[True].kl == pytest.approx(0.0, abs=1e-6) and first[True].clipfrac == 0.0
     assert first[False].kl > 1e-3 and first[False].clipfrac > 0.5
 
@@ -251,39 +256,41 @@ def test_kl_to_the_reference_is_measured_and_its_term_moves_the_gradient():
     own = score_logprobs(model, [s.input_ids for s in steps], PAD, 4096, 1.0)
     on_reference = [TrainSequence(s.input_ids, s.action_mask, s.old_logprobs, s.advantages, ref_logprobs=lp)
                     for s, lp in zip(steps, own)]
-    [result] = train_iteration(model, make_optimizer(model, lr=1e-3), on_reference, kl_coef=0.5, **ITERATION)
+    [result] = train_iteration(model, make_optimizer(model, lr=1e-3), on_reference, replace(ITERATION, kl_coef=0.5),
+                               pad_id=PAD)
     assert result.kl == pytest.approx(0.0, abs=1e-6)  # the policy IS the reference before the step
     far = full_steps(12)
     no_kl = sgd_delta(far)
     assert_same_deltas(no_kl, sgd_delta(far, kl_coef=0.0, kl_estimator="k2"), same=True)
     assert_same_deltas(no_kl, sgd_delta(far, kl_coef=0.5, kl_estimator="k3"), same=False)
     with pytest.raises(ValueError, match="needs ref_logprobs"):
-        train_iteration(model, make_optimizer(model, lr=1e-3), steps, kl_coef=0.1, **ITERATION)
+        train_iteration(model, make_optimizer(model, lr=1e-3), steps, replace(ITERATION, kl_coef=0.1), pad_id=PAD)
 
 
 def test_critic_trains_alongside_the_policy_and_its_non_finite_step_is_skipped():
     model = tiny_llama()
     critic = value_model_from_policy(model)
     steps = full_steps(13)
-    results = train_iteration(model, make_optimizer(model, lr=1e-3), steps, critic=critic,
-                              critic_optimizer=make_optimizer(critic, lr=1e-2), epochs=6, value_clip=None,
-                              **ITERATION)
+    results = train_iteration(model, make_optimizer(model, lr=1e-3), steps,
+                              replace(ITERATION, epochs=6, value_clip=None), pad_id=PAD, critic=critic,
+                              critic_optimizer=make_optimizer(critic, lr=1e-2))
     assert results[-1].vf_loss < 0.7 * results[0].vf_loss
     bad = list(steps)
     bad[0] = TrainSequence(bad[0].input_ids, bad[0].action_mask, bad[0].old_logprobs, bad[0].advantages,
                            bad[0].ref_logprobs, bad[0].old_values, bad[0].returns[:-1] + [float("nan")])
     head_before = critic.value_head.weight.detach().clone()
-    [result] = train_iteration(model, make_optimizer(model, lr=1e-3), bad, critic=critic,
-                               critic_optimizer=make_optimizer(critic, lr=1e-2), **ITERATION)
+    [result] = train_iteration(model, make_optimizer(model, lr=1e-3), bad, ITERATION, pad_id=PAD, critic=critic,
+                               critic_optimizer=make_optimizer(critic, lr=1e-2))
     assert result.skipped and math.isfinite(result.loss) and math.isnan(result.vf_loss)
     assert result.skip_reason.startswith("critic: non-finite")
     assert torch.equal(critic.value_head.weight, head_before)
     with pytest.raises(ValueError, match="old_values and returns"):
-        train_iteration(model, make_optimizer(model, lr=1e-3), random_steps(1), critic=critic,
-                        critic_optimizer=make_optimizer(critic, lr=1e-2), **ITERATION)
-    assert len(train_iteration(model, make_optimizer(model, lr=1e-3), steps[:2], mini_batches=9, **ITERATION)) == 2
+        train_iteration(model, make_optimizer(model, lr=1e-3), random_steps(1), ITERATION, pad_id=PAD, critic=critic,
+                        critic_optimizer=make_optimizer(critic, lr=1e-2))
+    assert len(train_iteration(model, make_optimizer(model, lr=1e-3), steps[:2], replace(ITERATION, mini_batches=9),
+                               pad_id=PAD)) == 2
     with pytest.raises(ValueError, match="at least one training sequence"):
-        train_iteration(model, make_optimizer(model, lr=1e-3), [], **ITERATION)
+        train_iteration(model, make_optimizer(model, lr=1e-3), [], ITERATION, pad_id=PAD)
 
 
 @pytest.mark.parametrize("name, step, expected", [
@@ -304,15 +311,15 @@ def test_the_schedule_continues_across_iterations_from_the_optimizer_step_count(
     model = tiny_llama()
     optimizer = make_optimizer(model, lr=123.0)  # the schedule's base_lr wins over a stale group lr
     steps = random_steps(14)
-    first = train_iteration(model, optimizer, steps, mini_batches=2,
-                            scheduler=make_lr_scheduler(optimizer, start_step=0, **schedule), **ITERATION)
+    first = train_iteration(model, optimizer, steps, replace(ITERATION, mini_batches=2), pad_id=PAD,
+                            scheduler=make_lr_scheduler(optimizer, start_step=0, **schedule))
     assert [r.lr for r in first] == pytest.approx([1e-2, 1e-2])
     assert optimizer_step_count(optimizer) == 2
     resumed = make_optimizer(model, lr=123.0)
     resumed.load_state_dict(optimizer.state_dict())  # what the next iteration restores from disk
     start = optimizer_step_count(resumed)
-    second = train_iteration(model, resumed, steps, mini_batches=2,
-                             scheduler=make_lr_scheduler(resumed, start_step=start, **schedule), **ITERATION)
+    second = train_iteration(model, resumed, steps, replace(ITERATION, mini_batches=2), pad_id=PAD,
+                             scheduler=make_lr_scheduler(resumed, start_step=start, **schedule))
     assert [r.lr for r in second] == pytest.approx([1e-2 * 0.75, 1e-2 * 0.5])  # steps 2 and 3 of 1 + 4
 
 
@@ -321,7 +328,7 @@ def test_a_skipped_update_does_not_advance_the_schedule():
     optimizer = make_optimizer(model, lr=1e-3)
     scheduler = make_lr_scheduler(optimizer, name="linear", base_lr=1e-2, warmup_steps=0, total_steps=4)
     empty = [step_sequence([3, 4, 5], [], [], []), step_sequence([7, 8], [], [], [])]
-    [result] = train_iteration(model, optimizer, empty, scheduler=scheduler, **ITERATION)
+    [result] = train_iteration(model, optimizer, empty, ITERATION, pad_id=PAD, scheduler=scheduler)
     assert result.skipped and result.skip_reason == "no tokens in the loss mask"
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2) and optimizer_step_count(optimizer) == 0
 

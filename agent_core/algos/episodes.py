@@ -1,12 +1,14 @@
 """The episode token grid that advantage estimators run on, and the way back to steps.
 
-Row e is episode e, starting right after its FIRST prompt:
+Row e is episode e's packed row (``agent_core.episodes.pack_steps``): column t holds token t of
+the episode's sequence, the same alignment as a training row and a critic's output, so nothing is
+shifted between the stages. The first prompt's columns are in no mask; after them:
 
-- append-only episode (every step's prompt extends the previous prompt + response, DESIGN.md §2):
-  step 0's response, its observation (the next prompt's new suffix: tool output and chat glue),
-  step 1's response, ... , the last step's response. Observation columns exist, so the
-  advantage-mask-off ablation (DESIGN.md §3) can run the recursion through them and the
-  loss-mask-off ablation can give them advantages to train with.
+- append-only episode (every step's prompt extends the previous prompt + response,
+  docs/architecture.md §2): step 0's response, its observation (the next prompt's new suffix:
+  tool output and chat glue), step 1's response, ... , the last step's response. Observation
+  columns exist, so the advantage-mask-off ablation (docs/architecture.md §3) can run the
+  recursion through them and the loss-mask-off ablation can give them advantages to train with.
 - any other episode (e.g. a last_k context window): the responses only, concatenated. Such an
   episode has no observation columns, so its mask-off and mask-on grids are the same: both mask
   ablations act on append-only episodes only (a windowed episode trains as with the masks on,
@@ -17,9 +19,9 @@ with an empty response has no token of its own: its reward goes to the last acti
 it, and a non-zero reward with no action token before it is an error.
 
 To run a critic on the grid, use ``agent_core.algos.step_advantages.score_on_grid``: it runs
-an append-only episode once on ``layout.row_context(e)`` (first prompt + row; grid column j is
-sequence position ``len(layout.first_prompt_ids[e]) + j``) and any other episode once per step
-on that step's own prompt + response, so every value comes from the context the policy saw.
+an append-only episode once on ``layout.row_context(e)`` (the row itself) and any other episode
+once per step on that step's own prompt + response, so every value comes from the context the
+policy saw.
 """
 
 from __future__ import annotations
@@ -30,24 +32,17 @@ from typing import NamedTuple, Sequence
 import torch
 
 from agent_core.algos.masks import grid_advantage_mask
+from agent_core.episodes import StepSpan, pack_steps
 
 
 @dataclass(frozen=True)
 class EpisodeStep:
-    """One step as the grid needs it: the context it saw, what it generated, its total reward."""
+    """One step as the grid needs it: the context it saw, what it generated, its reward (the
+    combined reward of the rewards table)."""
 
     prompt_ids: list[int]
     response_ids: list[int]
     reward: float
-
-
-@dataclass(frozen=True)
-class StepSpan:
-    """Columns of one step in its row: response [start, response_end), observation [response_end, end)."""
-
-    start: int
-    response_end: int
-    end: int
 
 
 @dataclass(frozen=True)
@@ -56,10 +51,11 @@ class EpisodeLayout:
 
     token_rewards: float32, each step's reward on its last action token.
     action_mask: int64, 1 on response (policy-sampled) tokens.
-    real_mask: int64, 1 on every real token (actions and observations), 0 on padding.
+    real_mask: int64, 1 on the response region (actions and observations after the first prompt),
+    0 on the first prompt and on padding.
     step_starts: bool, True on the first action token of each step with a non-empty response.
-    input_ids: int64, the row's token ids, 0 on padding.
-    first_prompt_ids: per episode, the first step's prompt (what the row continues).
+    input_ids: int64, the row's token ids (first prompt included), 0 on padding.
+    first_prompt_ids: per episode, the first step's prompt (the row's first columns).
     step_spans: per episode, per step, where the step's columns are.
     append_only: per episode, whether its observations are in the grid.
     """
@@ -82,9 +78,9 @@ class EpisodeLayout:
         return spans[-1].end if spans else 0
 
     def row_context(self, episode: int) -> list[int]:
-        """First prompt + the row's tokens: the sequence to run a critic / reference model on."""
-        row = self.input_ids[episode, : self.row_length(episode)].tolist()
-        return list(self.first_prompt_ids[episode]) + row
+        """The row's tokens (first prompt included): the sequence to run a critic / reference model
+        on; its output at position t belongs to column t."""
+        return self.input_ids[episode, : self.row_length(episode)].tolist()
 
 
 class StepParts(NamedTuple):
@@ -94,63 +90,33 @@ class StepParts(NamedTuple):
     observation: list[float]
 
 
-def is_append_only(steps: Sequence) -> bool:
-    """True when every step's prompt starts with the previous step's prompt + response.
-
-    steps: anything with `prompt_ids` and `response_ids` (EpisodeStep, training's TrainStep)."""
-    for previous, current in zip(steps, steps[1:]):
-        context = list(previous.prompt_ids) + list(previous.response_ids)
-        if list(current.prompt_ids[: len(context)]) != context:
-            return False
-    return True
-
-
-def _row_segments(steps: Sequence[EpisodeStep], append_only: bool) -> list[tuple[list[int], list[int]]]:
-    """Per step: (response tokens, observation tokens in the row)."""
-    segments = []
-    for k, step in enumerate(steps):
-        observation: list[int] = []
-        if append_only and k + 1 < len(steps):
-            observation = list(steps[k + 1].prompt_ids[len(step.prompt_ids) + len(step.response_ids) :])
-        segments.append((list(step.response_ids), observation))
-    return segments
-
-
 def build_episode_layout(episodes: Sequence[Sequence[EpisodeStep]]) -> EpisodeLayout:
     """Lay out episodes (each a list of its steps in order) as the grid of ``EpisodeLayout``."""
     for e, steps in enumerate(episodes):
         if not steps:
             raise ValueError(f"episode {e} has no steps")
-    append_only = tuple(is_append_only(steps) for steps in episodes)
-    segments = [_row_segments(steps, packed) for steps, packed in zip(episodes, append_only)]
-    width = max((sum(len(r) + len(o) for r, o in episode) for episode in segments), default=0)
-    shape = (len(episodes), width)
+    rows = [pack_steps(steps) for steps in episodes]
+    shape = (len(episodes), max((len(row) for row in rows), default=0))
     token_rewards = torch.zeros(shape, dtype=torch.float32)
     action_mask = torch.zeros(shape, dtype=torch.long)
     real_mask = torch.zeros(shape, dtype=torch.long)
     step_starts = torch.zeros(shape, dtype=torch.bool)
     input_ids = torch.zeros(shape, dtype=torch.long)
-    all_spans = []
-    for e, (steps, episode_segments) in enumerate(zip(episodes, segments)):
-        spans, column, last_action = [], 0, -1
-        for k, (step, (response, observation)) in enumerate(zip(steps, episode_segments)):
-            response_end = column + len(response)
-            end = response_end + len(observation)
-            input_ids[e, column:end] = torch.tensor(response + observation, dtype=torch.long)
-            action_mask[e, column:response_end] = 1
-            real_mask[e, column:end] = 1
-            if response:
-                step_starts[e, column] = True
-                last_action = response_end - 1
+    for e, (steps, row) in enumerate(zip(episodes, rows)):
+        input_ids[e, : len(row)] = torch.tensor(row.token_ids, dtype=torch.long)
+        real_mask[e, row.prompt_length : len(row)] = 1
+        last_action = -1
+        for k, (step, span) in enumerate(zip(steps, row.spans)):
+            action_mask[e, span.start : span.response_end] = 1
+            if span.response_end > span.start:
+                step_starts[e, span.start] = True
+                last_action = span.response_end - 1
             if last_action >= 0:
                 token_rewards[e, last_action] += float(step.reward)
             elif float(step.reward) != 0.0:
                 raise ValueError(
                     f"episode {e} step {k}: reward {step.reward} but no action token at or before this step to carry it"
                 )
-            spans.append(StepSpan(column, response_end, end))
-            column = end
-        all_spans.append(tuple(spans))
     return EpisodeLayout(
         token_rewards=token_rewards,
         action_mask=action_mask,
@@ -158,14 +124,14 @@ def build_episode_layout(episodes: Sequence[Sequence[EpisodeStep]]) -> EpisodeLa
         step_starts=step_starts,
         input_ids=input_ids,
         first_prompt_ids=tuple(tuple(int(t) for t in steps[0].prompt_ids) for steps in episodes),
-        step_spans=tuple(all_spans),
-        append_only=append_only,
+        step_spans=tuple(row.spans for row in rows),
+        append_only=tuple(row.append_only for row in rows),
     )
 
 
 def advantage_mask(layout: EpisodeLayout, use_advantage_mask: bool) -> torch.Tensor:
     """The estimators' mask, float32 [E, T]: action tokens when on (default), every real token
-    (actions and observations) when off (the DESIGN.md §3 ablation; built by
+    (actions and observations) when off (the docs/architecture.md §3 ablation; built by
     ``agent_core.algos.masks.grid_advantage_mask``)."""
     return grid_advantage_mask(layout.action_mask, layout.real_mask, use_advantage_mask)
 

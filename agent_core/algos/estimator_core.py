@@ -1,31 +1,14 @@
-"""What every advantage estimator shares: the registry, the call signature, the output, and the
-masked helpers (input checks, episode scores, group statistics, batch whitening).
+"""What every advantage estimator shares: the registry, the input, the output, the dispatcher
+and the masked helpers (episode scores, group statistics, batch whitening).
 
-The estimators themselves live in ``agent_core.algos.advantages`` (outcome / Monte-Carlo
-estimators) and ``agent_core.algos.estimators_critic`` (GAE with a critic); import
-``agent_core.algos.advantages`` to get all of them registered.
+This is the base module of the estimators: it imports nothing of ``agent_core.algos``. The
+estimators live in ``agent_core.algos.advantages`` (outcome / Monte-Carlo estimators) and
+``agent_core.algos.estimators_critic`` (GAE with a critic); the package's ``__init__`` imports
+both, so importing any ``agent_core.algos`` module registers every built-in estimator.
 
-Every estimator is called as::
-
-    fn(token_rewards, mask, group_index, values=None, *, gamma=1.0, lam=1.0, eps=1e-6,
-       norm_by_std=True, step_starts=None, whiten=False) -> AdvantageOutput
-
-on the episode token grid of ``agent_core.algos.episodes``:
-
-- token_rewards: float [E, T], each step's reward on its last action token (minus any in-reward
-  KL penalty the caller folds in per token);
-- mask: [E, T] 0/1 (any dtype), the ADVANTAGE mask (DESIGN.md §3): the tokens the recursion runs
-  over. Action tokens only when the mask is on; every real token (actions and observations)
-  when it is off. Rewards and values off the mask are ignored;
-- group_index: int [E], episodes with the same value were sampled from the same prompt (any
-  integers; they need not be contiguous);
-- values: float [E, T] critic values, for estimators that use a critic (None otherwise);
-- step_starts: bool [E, T], True at the first action token of each step (``step_gae`` only);
-- whiten: whiten the advantages over every masked token of the batch (``gae``, ``step_gae``;
-  ``reinforce_pp*`` always whiten as part of the algorithm, ``grpo`` / ``rloo`` never do).
-
-Parameters an estimator has no use for are accepted and ignored, so a config can switch
-estimators by name alone. Outputs are float32 [E, T] and zero wherever ``mask`` is 0.
+Every estimator is called as ``fn(inputs: AdvantageInputs) -> AdvantageOutput`` (the fields and
+their shapes: ``AdvantageInputs``). Fields an estimator has no use for are ignored, so a config
+can switch estimators by name alone. Outputs are float32 [E, T] and zero wherever ``mask`` is 0.
 
 Which estimators the advantage mask can change at all (``estimator_ignores_advantage_mask``):
 rewards sit on action tokens only, so an episode's score (the sum of its masked rewards) is the
@@ -44,7 +27,7 @@ advantages); ``warn_once`` reports it once per estimator and process.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Protocol
 
 import torch
@@ -60,46 +43,73 @@ class AdvantageOutput:
     returns: torch.Tensor
 
 
+# eq=False: a generated __eq__ would compare tensors, whose truth value is ambiguous.
+@dataclass(frozen=True, eq=False)
+class AdvantageInputs:
+    """What an estimator reads, on the episode token grid of ``agent_core.algos.episodes``
+    (E episodes, T columns); shapes and dtypes are checked once, on construction (ValueError
+    naming the offending field).
+
+    - token_rewards: float [E, T], each step's reward on its last action token (minus any
+      in-reward KL penalty the caller folds in per token);
+    - mask: [E, T] 0/1 (any dtype), the ADVANTAGE mask: the tokens the recursion runs over.
+      Action tokens only when the mask is on; every real token (actions and observations) when it
+      is off. Rewards and values off the mask are ignored;
+    - group_index: int [E], episodes with the same value were sampled from the same prompt (any
+      integers; they need not be contiguous);
+    - values: float [E, T] critic values, for estimators that use a critic (None otherwise);
+    - step_starts: bool [E, T], True at the first action token of each step (``step_gae`` only);
+    - gamma, lam: discount and GAE lambda (``gae``, ``step_gae``; gamma also ``reinforce_pp``);
+    - eps: added to a std before dividing by it;
+    - norm_by_std: ``grpo`` divides by the group std (False: Dr.GRPO, centring only);
+    - whiten: whiten the advantages over every masked token of the batch (``gae``, ``step_gae``;
+      ``reinforce_pp*`` always whiten as part of the algorithm, ``grpo`` / ``rloo`` never do).
+
+    values is the last positional field; the rest are keyword-only.
+    """
+
+    token_rewards: torch.Tensor
+    mask: torch.Tensor
+    group_index: torch.Tensor
+    values: torch.Tensor | None = None
+    _: KW_ONLY
+    step_starts: torch.Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    eps: float = 1e-6
+    norm_by_std: bool = True
+    whiten: bool = False
+
+    def __post_init__(self) -> None:
+        if self.token_rewards.dim() != 2:
+            raise ValueError(f"token_rewards must be [E, T]; got shape {tuple(self.token_rewards.shape)}")
+        shape = tuple(self.token_rewards.shape)
+        for name in ("mask", "values", "step_starts"):
+            grid = getattr(self, name)
+            if grid is not None and tuple(grid.shape) != shape:
+                raise ValueError(f"{name} shape {tuple(grid.shape)} != token_rewards shape {shape}")
+        group_index = self.group_index
+        if group_index.dim() != 1 or group_index.shape[0] != shape[0]:
+            raise ValueError(
+                f"group_index must be [E] with E = {shape[0]} episodes; got {tuple(group_index.shape)}"
+            )
+        if group_index.dtype.is_floating_point:
+            raise ValueError(f"group_index must be an integer tensor; got {group_index.dtype}")
+
+
 class AdvantageEstimator(Protocol):
-    def __call__(
-        self,
-        token_rewards: torch.Tensor,
-        mask: torch.Tensor,
-        group_index: torch.Tensor,
-        values: torch.Tensor | None = None,
-        *,
-        gamma: float = 1.0,
-        lam: float = 1.0,
-        eps: float = 1e-6,
-        norm_by_std: bool = True,
-        step_starts: torch.Tensor | None = None,
-        whiten: bool = False,
-    ) -> AdvantageOutput: ...
+    """An estimator: per-token advantages and returns (value targets) of `inputs`, float32 [E, T]
+    each, zero off ``inputs.mask``. Its docstring names the fields of ``AdvantageInputs`` it reads."""
+
+    def __call__(self, inputs: AdvantageInputs) -> AdvantageOutput: ...
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
-def check_inputs(
-    token_rewards: torch.Tensor,
-    mask: torch.Tensor,
-    group_index: torch.Tensor,
-    values: torch.Tensor | None,
-    step_starts: torch.Tensor | None = None,
-) -> None:
-    """ValueError naming the offending argument when shapes or dtypes do not fit together."""
-    if token_rewards.dim() != 2:
-        raise ValueError(f"token_rewards must be [E, T]; got shape {tuple(token_rewards.shape)}")
-    shape = tuple(token_rewards.shape)
-    for name, grid in (("mask", mask), ("values", values), ("step_starts", step_starts)):
-        if grid is not None and tuple(grid.shape) != shape:
-            raise ValueError(f"{name} shape {tuple(grid.shape)} != token_rewards shape {shape}")
-    if group_index.dim() != 1 or group_index.shape[0] != token_rewards.shape[0]:
-        raise ValueError(
-            f"group_index must be [E] with E = {token_rewards.shape[0]} episodes; got {tuple(group_index.shape)}"
-        )
-    if group_index.dtype.is_floating_point:
-        raise ValueError(f"group_index must be an integer tensor; got {group_index.dtype}")
+def estimate_advantages(name: str, inputs: AdvantageInputs) -> AdvantageOutput:
+    """Run the estimator registered as `name` on `inputs` (UnknownNameError lists the valid names)."""
+    return ADVANTAGE_ESTIMATORS.get(name)(inputs)
 
 
 def uses_critic(estimator: AdvantageEstimator) -> AdvantageEstimator:
@@ -115,18 +125,14 @@ def ignores_advantage_mask(estimator: AdvantageEstimator) -> AdvantageEstimator:
     return estimator
 
 
-def _registered(name: str) -> AdvantageEstimator:
-    import agent_core.algos.advantages  # noqa: F401  (registers the built-in estimators; a cycle at module level)
-
-    return ADVANTAGE_ESTIMATORS.get(name)
-
-
+# The built-in estimators are registered by the package's __init__, which has run before any
+# caller could import this module, so a plain lookup sees them all.
 def estimator_uses_critic(name: str) -> bool:
-    return bool(getattr(_registered(name), "uses_critic", False))
+    return bool(getattr(ADVANTAGE_ESTIMATORS.get(name), "uses_critic", False))
 
 
 def estimator_ignores_advantage_mask(name: str) -> bool:
-    return bool(getattr(_registered(name), "ignores_advantage_mask", False))
+    return bool(getattr(ADVANTAGE_ESTIMATORS.get(name), "ignores_advantage_mask", False))
 
 
 class GroupOfOneWarning(UserWarning):

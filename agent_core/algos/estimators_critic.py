@@ -2,7 +2,7 @@
 
 Both follow Generalized Advantage Estimation (Schulman et al. 2016, arXiv 1506.02438) as used by
 PPO for LLMs (Ouyang et al. 2022; verl / OpenRLHF), with the advantage mask of Agent-R1
-(arXiv 2511.14460, DESIGN.md §3): the recursion runs over the masked tokens only, so with the
+(arXiv 2511.14460, docs/architecture.md §3): the recursion runs over the masked tokens only, so with the
 mask on the last token of action k bootstraps from the first token of action k+1 and tool output
 in between is skipped (its rewards and values are ignored). The code carries the "next masked
 token" value and advantage across unmasked columns, which is the same as compressing each row to
@@ -21,7 +21,8 @@ masked token (next value 0), also episodes cut off by a step or context budget. 
 episode would properly bootstrap from the value of the state it stopped in; the tables do not
 keep that state, so truncation is read as termination here.
 
-Signature and shapes: see ``agent_core.algos.estimator_core``.
+Input, output and shapes: ``AdvantageInputs`` / ``AdvantageOutput`` in
+``agent_core.algos.estimator_core``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import torch
 
 from agent_core.algos.estimator_core import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
     AdvantageOutput,
-    check_inputs,
     masked_whiten,
     require_values,
     uses_critic,
@@ -40,32 +41,19 @@ from agent_core.algos.estimator_core import (
 
 @ADVANTAGE_ESTIMATORS.register("gae")
 @uses_critic
-def gae_advantages(
-    token_rewards: torch.Tensor,
-    mask: torch.Tensor,
-    group_index: torch.Tensor,
-    values: torch.Tensor | None = None,
-    *,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    eps: float = 1e-6,
-    norm_by_std: bool = True,
-    step_starts: torch.Tensor | None = None,
-    whiten: bool = False,
-) -> AdvantageOutput:
+def gae_advantages(inputs: AdvantageInputs) -> AdvantageOutput:
     """Token-level GAE over the masked tokens (Schulman et al. 2016).
 
-    Shapes: token_rewards, mask, values [E, T]; group_index [E] (unused); outputs [E, T].
+    Reads token_rewards, mask, values [E, T], gamma, lam, eps, whiten; outputs [E, T].
     For masked tokens t < t' (t' the next masked token of the row, none after the last):
     delta_t = r_t + gamma * V_t' - V_t (V_t' = 0 after the last), A_t = delta_t + gamma*lam*A_t'.
     returns = advantages + values on masked tokens. whiten: advantages (not returns) whitened over
-    the masked tokens of the batch with eps (module docstring). norm_by_std is unused.
-    ValueError when values is None.
+    the masked tokens of the batch with eps (module docstring). ValueError when values is None.
     """
-    check_inputs(token_rewards, mask, group_index, values, step_starts)
-    values = require_values("gae", values)
-    on = mask.to(torch.bool)
-    rewards = torch.where(on, token_rewards.to(torch.float64), 0.0)
+    values = require_values("gae", inputs.values)
+    gamma, lam = inputs.gamma, inputs.lam
+    on = inputs.mask.to(torch.bool)
+    rewards = torch.where(on, inputs.token_rewards.to(torch.float64), 0.0)
     critic = torch.where(on, values.to(torch.float64), 0.0)
     num_episodes, width = rewards.shape
     advantages = torch.zeros_like(rewards)
@@ -78,8 +66,8 @@ def gae_advantages(
         next_value = torch.where(on[:, t], critic[:, t], next_value)
         next_advantage = torch.where(on[:, t], advantage, next_advantage)
     returns = torch.where(on, advantages + critic, 0.0)
-    if whiten:
-        advantages = masked_whiten(advantages, on, eps)
+    if inputs.whiten:
+        advantages = masked_whiten(advantages, on, inputs.eps)
     return AdvantageOutput(advantages=advantages.to(torch.float32), returns=returns.to(torch.float32))
 
 
@@ -101,22 +89,10 @@ def _step_index(on: torch.Tensor, step_starts: torch.Tensor | None) -> torch.Ten
 
 @ADVANTAGE_ESTIMATORS.register("step_gae")
 @uses_critic
-def step_gae_advantages(
-    token_rewards: torch.Tensor,
-    mask: torch.Tensor,
-    group_index: torch.Tensor,
-    values: torch.Tensor | None = None,
-    *,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    eps: float = 1e-6,
-    norm_by_std: bool = True,
-    step_starts: torch.Tensor | None = None,
-    whiten: bool = False,
-) -> AdvantageOutput:
+def step_gae_advantages(inputs: AdvantageInputs) -> AdvantageOutput:
     """Step-level GAE: one value and one advantage per agent step (the step is the MDP action).
 
-    Shapes: token_rewards, mask, values, step_starts [E, T]; group_index [E] (unused); outputs [E, T].
+    Reads token_rewards, mask, values, step_starts [E, T], gamma, lam, eps, whiten; outputs [E, T].
     Step k's segment runs from its step start to the column before the next step start.
     R_k = sum of the masked token rewards of the segment, V_k = values at the step start;
     delta_k = R_k + gamma * V_{k+1} - V_k (V_K = 0), A_k = delta_k + gamma*lam*A_{k+1}.
@@ -125,13 +101,13 @@ def step_gae_advantages(
     of the batch with eps, so a step weighs by its token count. ValueError when values or
     step_starts is None.
     """
-    check_inputs(token_rewards, mask, group_index, values, step_starts)
-    values = require_values("step_gae", values)
-    on = mask.to(torch.bool)
+    values = require_values("step_gae", inputs.values)
+    gamma, lam, step_starts = inputs.gamma, inputs.lam, inputs.step_starts
+    on = inputs.mask.to(torch.bool)
     step = _step_index(on, step_starts)
     index = step.clamp(min=0)
     num_steps = max(int(step.max().item()) + 1, 1) if step.numel() else 1
-    rewards = torch.where(on, token_rewards.to(torch.float64), 0.0)
+    rewards = torch.where(on, inputs.token_rewards.to(torch.float64), 0.0)
     at_start = step_starts.to(torch.bool)
     start_values = torch.where(at_start, values.to(torch.float64), 0.0)
     grid = torch.zeros(rewards.shape[0], num_steps, dtype=torch.float64, device=rewards.device)
@@ -148,6 +124,6 @@ def step_gae_advantages(
         step_advantages[:, k] = next_advantage
     advantages = torch.where(on, step_advantages.gather(1, index), 0.0)
     returns = torch.where(on, (step_advantages + step_values).gather(1, index), 0.0)
-    if whiten:
-        advantages = masked_whiten(advantages, on, eps)
+    if inputs.whiten:
+        advantages = masked_whiten(advantages, on, inputs.eps)
     return AdvantageOutput(advantages=advantages.to(torch.float32), returns=returns.to(torch.float32))

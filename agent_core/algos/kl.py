@@ -1,4 +1,4 @@
-"""Per-token KL estimators to a frozen reference policy (DESIGN.md §7), pure torch, by name.
+"""Per-token KL estimators to a frozen reference policy (docs/architecture.md §7), pure torch, by name.
 
 Each estimator maps the log-probs of the sampled tokens under the current policy (``logprobs``)
 and under the reference (``ref_logprobs``), both [B, L], to a per-token estimate [B, L] of

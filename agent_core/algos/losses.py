@@ -1,4 +1,4 @@
-"""Policy and value losses and loss aggregation (DESIGN.md §7), pure torch.
+"""Policy and value losses and loss aggregation (docs/architecture.md §7), pure torch.
 
 Loss aggregation modes (``LOSS_AGG_MODES``, by name), for a per-token loss matrix [B, L] and a
 loss mask [B, L]:
@@ -16,9 +16,9 @@ per-batch counts with counts over the whole optimizer step, so summing the losse
 gives exactly the loss of one big batch (gradient accumulation). Sequences with no masked token
 are not counted in the seq-mean modes.
 
-The PPO clipped objective follows Schulman et al. 2017, with decoupled low/high clip ranges
-(DAPO's clip-higher) and the optional dual clip of Ye et al. 2020 for negative advantages. The
-clipped value loss is PPO2's (OpenAI baselines), aggregated by the same modes. KL estimators to a
+Policy losses (``POLICY_LOSSES``, by name; each a ``PolicyLoss``): ``ppo_clip``, the PPO clipped
+objective of Schulman et al. 2017, with decoupled low/high clip ranges (DAPO's clip-higher) and the
+optional dual clip of Ye et al. 2020 for negative advantages. The clipped value loss is PPO2's (OpenAI baselines), aggregated by the same modes. KL estimators to a
 reference policy live in ``agent_core.algos.kl``.
 """
 
@@ -118,6 +118,39 @@ class PolicyLossOutput:
     approx_kl: torch.Tensor
 
 
+class PolicyLoss(Protocol):
+    """A policy loss, called by the trainer once per micro-batch.
+
+    logprobs: float [B, L], the current policy's log-probs of the sampled tokens (with grad);
+    old_logprobs: float [B, L], the log-probs the advantages were computed under (no grad);
+    advantages: float [B, L], each token's advantage; loss_mask: [B, L] 0/1, the tokens trained.
+    clip_low, clip_high, dual_clip: clip settings, accepted and ignored by a loss that does not
+    clip (so a config can switch losses by name alone). agg_mode, num_tokens, num_sequences,
+    norm_length: how the per-token loss is reduced (``aggregate_loss``).
+    Returns PolicyLossOutput: scalar loss with grad, detached clipfrac and approx_kl.
+    """
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        *,
+        clip_low: float = ...,
+        clip_high: float = ...,
+        dual_clip: float | None = ...,
+        agg_mode: str = ...,
+        num_tokens: float | None = ...,
+        num_sequences: float | None = ...,
+        norm_length: float | None = ...,
+    ) -> PolicyLossOutput: ...
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+@POLICY_LOSSES.register("ppo_clip")
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Every mask used in training is built or combined here, and only here (DESIGN.md §3).
+"""Every mask used in training is built or combined here, and only here (docs/architecture.md §3).
 
 Vocabulary (all masks are [B, L], 1 = the token takes part, 0 = it does not):
 
@@ -22,7 +22,7 @@ Vocabulary (all masks are [B, L], 1 = the token takes part, 0 = it does not):
   (ablation) = the response region (the episode grid's real tokens, observations included).
 
 The first real token of a sequence is never in a mask, because nothing conditions it (its
-log-probability is defined as 0 by ``agent_core.training.trainer.sequence_logprobs``); a region
+log-probability is defined as 0 by ``agent_core.training.scoring.sequence_logprobs``); a region
 starts at index >= 1 anyway, since a step must have at least one prompt token.
 
 The Agent-R1 ablation (PPO 0.3719 -> 0.3136 with the advantage mask off -> 0.3022 with the loss

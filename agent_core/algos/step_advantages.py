@@ -2,16 +2,17 @@
 
 Two calls, so a caller can run a critic or reference model between them:
 
-1. ``prepare_episodes(rows, ...)``: group steps into episodes (ordered by step_idx) and episodes
-   into groups (same group_id), combine process and outcome rewards (``agent_core.algos.rewards``)
-   and build the token grid (``agent_core.algos.episodes``).
+1. ``prepare_episodes(rows)``: group steps into episodes (``agent_core.episodes.episodes_from_rows``)
+   and episodes into groups (same group_id), and build the token grid (``agent_core.algos.episodes``)
+   with each step's reward: the combined reward of the rewards table (process and outcome
+   rewards are combined once, at labelling: ``agent_core.rewards.combine``).
 2. ``estimate_step_advantages(batch, ...)``: subtract an optional in-reward KL penalty, run the
    estimator under the advantage mask, and split the result back into one record per step,
    aligned with its response tokens (and with its observation tokens when a mask is off).
 
-``advantages_for_steps`` does both in one call; ``score_on_grid`` runs a critic on the grid.
+``score_on_grid`` runs a critic on the grid.
 
-Observation tokens (append-only episodes; DESIGN.md §3):
+Observation tokens (append-only episodes; docs/architecture.md §3):
 
 - advantage mask off: the estimator ran over them; they get its advantages, returns (the
   critic's targets there) and values, stored as ``obs_advantages``, ``obs_returns``, ``obs_values``.
@@ -32,24 +33,23 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from agent_core.algos.advantages import compute_advantages
+from agent_core.algos.estimator_core import AdvantageInputs, estimate_advantages
 from agent_core.algos.episodes import EpisodeLayout, EpisodeStep, advantage_mask, build_episode_layout, unpack
-from agent_core.algos.rewards import combine_rewards
+from agent_core.episodes import episodes_from_rows
 
 GridSource = Union[torch.Tensor, Callable[[EpisodeLayout], torch.Tensor], None]
 
 
 @dataclass(frozen=True)
 class StepRewardRow:
-    """One step of the steps table joined with its rewards row."""
+    """One step of the steps table joined with its rewards row (reward: the combined reward)."""
 
     episode_id: str
     group_id: str
     step_idx: int
     prompt_ids: list[int]
     response_ids: list[int]
-    process_reward: float
-    outcome_reward: float
+    reward: float
 
 
 @dataclass(frozen=True)
@@ -80,47 +80,19 @@ class EpisodeBatch:
     episode_steps: tuple[tuple[StepRewardRow, ...], ...]
 
 
-def _episodes_in_order(rows: Sequence[StepRewardRow]) -> list[list[StepRewardRow]]:
-    by_episode: dict[str, list[StepRewardRow]] = {}
-    for row in rows:
-        by_episode.setdefault(row.episode_id, []).append(row)
-    episodes = []
-    for episode_id, steps in by_episode.items():
-        steps = sorted(steps, key=lambda s: s.step_idx)
-        indices = [s.step_idx for s in steps]
-        if indices != list(range(len(steps))):
-            raise ValueError(f"episode {episode_id!r}: step_idx must run 0..{len(steps) - 1}; got {indices}")
-        groups = sorted({s.group_id for s in steps})
-        if len(groups) != 1:
-            raise ValueError(f"episode {episode_id!r}: steps disagree on group_id: {groups}")
-        episodes.append(steps)
-    return episodes
-
-
-def prepare_episodes(
-    rows: Sequence[StepRewardRow], *, process_weight: float, process_norm: str
-) -> EpisodeBatch:
-    """Episodes, groups, combined per-step rewards and the token grid of `rows` (any order)."""
-    episodes = _episodes_in_order(rows)
-    rewards = combine_rewards(
-        [[s.process_reward for s in steps] for steps in episodes],
-        [[s.outcome_reward for s in steps] for steps in episodes],
-        process_weight=process_weight,
-        normalize=process_norm,
-    )
+def prepare_episodes(rows: Sequence[StepRewardRow]) -> EpisodeBatch:
+    """Episodes, groups and the token grid of `rows` (any order)."""
+    episodes = episodes_from_rows(rows)
     layout = build_episode_layout(
-        [
-            [EpisodeStep(list(s.prompt_ids), list(s.response_ids), r) for s, r in zip(steps, step_rewards)]
-            for steps, step_rewards in zip(episodes, rewards)
-        ]
+        [[EpisodeStep(list(s.prompt_ids), list(s.response_ids), s.reward) for s in episode.steps] for episode in episodes]
     )
-    group_numbers = {name: i for i, name in enumerate(dict.fromkeys(steps[0].group_id for steps in episodes))}
-    group_index = torch.tensor([group_numbers[steps[0].group_id] for steps in episodes], dtype=torch.long)
+    group_numbers = {name: i for i, name in enumerate(dict.fromkeys(episode.group_id for episode in episodes))}
+    group_index = torch.tensor([group_numbers[episode.group_id] for episode in episodes], dtype=torch.long)
     return EpisodeBatch(
         layout=layout,
         group_index=group_index,
-        episode_ids=tuple(steps[0].episode_id for steps in episodes),
-        episode_steps=tuple(tuple(steps) for steps in episodes),
+        episode_ids=tuple(episode.episode_id for episode in episodes),
+        episode_steps=tuple(episode.steps for episode in episodes),
     )
 
 
@@ -192,10 +164,10 @@ def estimate_step_advantages(
     token_rewards = layout.token_rewards
     if penalty_grid is not None:
         token_rewards = token_rewards - penalty_grid.to(torch.float32) * layout.action_mask.to(torch.float32)
-    output = compute_advantages(
-        estimator, token_rewards, advantage_mask(layout, use_advantage_mask), batch.group_index, value_grid,
+    output = estimate_advantages(estimator, AdvantageInputs(
+        token_rewards, advantage_mask(layout, use_advantage_mask), batch.group_index, value_grid,
         gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std, step_starts=layout.step_starts, whiten=whiten,
-    )
+    ))
     advantage_grid = output.advantages
     if use_advantage_mask and not use_loss_mask:
         advantage_grid = carry_into_observations(advantage_grid, layout.action_mask, layout.real_mask)
@@ -208,11 +180,11 @@ def estimate_step_advantages(
 
 def score_on_grid(batch: EpisodeBatch, score: Callable[[list[list[int]]], list[list[float]]]) -> torch.Tensor:
     """A model's per-token outputs (a critic's values) on the batch's grid, float32 [E, T], each
-    column scored in the very context its token was generated in (DESIGN.md §2).
+    column scored in the very context its token was generated in (docs/architecture.md §2).
 
     score(contexts) returns, per context, one float per token (position t: the output for token
     t given the tokens before it, as ``agent_core.training.critic.score_values``).
-    An append-only episode is scored once, on its row context (first prompt + row): every step's
+    An append-only episode is scored once, on its row (``layout.row_context``): every step's
     context is a prefix of it, and its observation columns get outputs too. Any other episode
     (e.g. a last_k window) is scored once per step, on that step's own prompt + response, since
     the concatenated responses of its row are a context the policy never saw.
@@ -221,7 +193,8 @@ def score_on_grid(batch: EpisodeBatch, score: Callable[[list[list[int]]], list[l
     jobs = []  # (episode, first column, end column, context, position of the first column in it)
     for e, steps in enumerate(batch.episode_steps):
         if layout.append_only[e]:
-            jobs.append((e, 0, layout.row_length(e), layout.row_context(e), len(layout.first_prompt_ids[e])))
+            start = len(layout.first_prompt_ids[e])  # the row IS the context: column t = position t
+            jobs.append((e, start, layout.row_length(e), layout.row_context(e), start))
             continue
         for step, span in zip(steps, layout.step_spans[e]):
             if span.response_end > span.start:
@@ -232,29 +205,3 @@ def score_on_grid(batch: EpisodeBatch, score: Callable[[list[list[int]]], list[l
     for (e, start, end, _, offset), outputs in zip(jobs, scored):
         grid[e, start:end] = torch.tensor(list(outputs[offset: offset + end - start]), dtype=torch.float32)
     return grid
-
-
-def advantages_for_steps(
-    rows: Sequence[StepRewardRow],
-    *,
-    estimator: str,
-    gamma: float,
-    lam: float,
-    eps: float,
-    norm_by_std: bool,
-    use_advantage_mask: bool,
-    process_weight: float,
-    process_norm: str,
-    use_loss_mask: bool = True,
-    whiten: bool = False,
-    values: GridSource = None,
-    kl_penalty: GridSource = None,
-) -> list[StepAdvantage]:
-    """``prepare_episodes`` then ``estimate_step_advantages`` (values / kl_penalty as functions
-    of the layout, since the grid is built inside)."""
-    batch = prepare_episodes(rows, process_weight=process_weight, process_norm=process_norm)
-    return estimate_step_advantages(
-        batch, estimator=estimator, gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std,
-        use_advantage_mask=use_advantage_mask, use_loss_mask=use_loss_mask, whiten=whiten, values=values,
-        kl_penalty=kl_penalty,
-    )

@@ -29,6 +29,7 @@ import json
 import re
 from typing import Sequence
 
+from agent_core.data.naive_rag import naive_rag_messages, question_text
 from agent_core.envs.builtin_tools import SearchTool
 from agent_core.envs.formats import ParsedCall, ToolCallFormat, build_format
 from agent_core.envs.search import Bm25Index
@@ -173,8 +174,6 @@ def rag_demonstrations(tokenizer, prompts: Sequence[Prompt], documents: Sequence
     score of 0 would flatter the agents. The demonstrations teach the format and reading the
     passages; whether the passages hold the answer is up to retrieval, as in the baseline.
     """
-    from agent_core.eval.methods import naive_rag_messages, question_text  # eval builds on data, not back
-
     index = Bm25Index(documents)
     end_of_turn = eos_token_ids(tokenizer)[-1]
     records = []

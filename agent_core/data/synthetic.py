@@ -12,7 +12,7 @@ Each prompt's metadata: template, type ("bridge" / "comparison"), hops (2 / 3), 
 (in reading order) and oracle_plan ({"queries": the full names to search, in order; "answer"}),
 which agent_core/data/oracle.py turns into an ideal episode.
 
-Split (a difference from a plain random split, following the measured caveat in ENVIRONMENT.md:
+Split (a difference from a plain random split, following the measured caveat in docs/architecture.md §10:
 a random split let the policy score by recalling people seen in training): every question has key
 people (the director for film questions, the person asked about otherwise, both directors for a
 comparison). People are assigned to splits in whole groups, filled greedily by their bridge

@@ -1,4 +1,4 @@
-"""The environment contract of the extended MDP (DESIGN.md §2).
+"""The environment contract of the extended MDP (docs/architecture.md §2).
 
 An env sees text: it opens an episode with a conversation and answers each action (the decoded
 text of the policy's tokens) with an observation. Tokenization, context management and budgets

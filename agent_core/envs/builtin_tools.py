@@ -9,7 +9,7 @@ are interpreted. Python's own semantics apply (`/` is true division, `//` floors
 with limits Python lacks, so one call cannot eat the machine: the expression length, the nesting
 depth and the size of integers (hence of `**`) are capped, and non-finite results are errors.
 
-Imported by `agent_core.envs.tools` at its bottom; importing either module registers both tools.
+Registered when the `agent_core.envs` package is imported (its `__init__` imports this module).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from agent_core.envs.tools import TOOLS, Tool, ToolResources, ToolResult, function_tool
@@ -117,6 +118,11 @@ _NODE_NAMES = {
 }
 
 
+# CPython 3.11's parser is not safe to call from several threads at once (gh-106905: "AST
+# constructor recursion depth mismatch" on valid input); env workers run tools in threads.
+_PARSE_LOCK = threading.Lock()
+
+
 def evaluate_expression(expression: str) -> int | float:
     """The value of arithmetic `expression`; ValueError saying what is wrong for anything else."""
     if not isinstance(expression, str):
@@ -124,7 +130,8 @@ def evaluate_expression(expression: str) -> int | float:
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression is {len(expression)} characters long; the limit is {MAX_EXPRESSION_CHARS}")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSE_LOCK:
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise ValueError(f"not a valid arithmetic expression ({exc.msg}); {_GRAMMAR}") from None
     except (RecursionError, MemoryError):

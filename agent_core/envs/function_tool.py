@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Callable, Literal
 
-from agent_core.envs.tools import Tool, ToolResult
+from agent_core.envs.tool_base import Tool, ToolResult
 
 _SCALAR_SCHEMAS: dict[Any, dict[str, Any]] = {
     str: {"type": "string"},

@@ -135,6 +135,8 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_o
         raise ValueError(f"unknown sandbox layer(s) {names}; valid: {', '.join(SANDBOX_LAYERS)}")
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="agent-sandbox-"))
     try:
+        # A scratch file in the run's own temporary directory, deleted below: no reader ever sees it
+        # half-written, so it does not go through agent_core.io's atomic writes.
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as file:
             file.write(code)
         return _run_child(workdir, float(timeout_s), memory_mb, max_output_chars, wanted)

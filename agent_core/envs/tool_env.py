@@ -1,4 +1,4 @@
-"""`ToolEnv`: an `AgentEnv` made of tools and a tool-call format (DESIGN.md §2).
+"""`ToolEnv`: an `AgentEnv` made of tools and a tool-call format (docs/architecture.md §2).
 
 An action may call several tools (in the format's syntax) or give the final answer with
 `<answer>...</answer>`, which ends the episode ("answered"; the outcome reward is labelled later

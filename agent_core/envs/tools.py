@@ -33,8 +33,10 @@ trusted code: one that calls os._exit or corrupts memory takes the process with 
 model-written code runs in the sandbox (`agent_core.envs.sandbox`).
 
 Tools are registered by name in `TOOLS` as factories `(resources, **kwargs) -> Tool`. The built-in
-tools (`agent_core.envs.builtin_tools`) are imported at the bottom of this module, so importing
-this module is enough to see them in `TOOLS`.
+tools (`agent_core.envs.builtin_tools`, the python tool in `agent_core.envs.sandbox`) register
+themselves when the `agent_core.envs` package is imported, which importing this module does.
+`Tool` and `ToolResult` live in `agent_core.envs.tool_base` and `function_tool` in
+`agent_core.envs.function_tool`; both are re-exported here, the one import tool authors need.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from __future__ import annotations
 import contextvars
 import json
 import math
-import re
 import threading
 import time
 import traceback
@@ -53,117 +54,20 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Protocol
 
-from jsonschema import Draft202012Validator, SchemaError, ValidationError
+from jsonschema import ValidationError
 
+from agent_core.envs.function_tool import FunctionTool, function_tool  # noqa: F401  (re-exported)
+from agent_core.envs.tool_base import Tool, ToolResult  # noqa: F401  (re-exported)
 from agent_core.registry import Registry
 
 if typing.TYPE_CHECKING:
     from agent_core.envs.search import Bm25Index
 
-TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
 # unavailable: too many earlier calls of the tool timed out and still run (MAX_ABANDONED_CALLS_PER_TOOL);
 # over_budget: the episode has used its tool calls (ToolEnv's max_tool_calls_per_episode); neither ran.
 ERROR_KINDS = ("unknown_tool", "bad_arguments", "exception", "timeout", "unavailable", "over_budget")
 ErrorKind = Literal["unknown_tool", "bad_arguments", "exception", "timeout", "unavailable", "over_budget"]
 MAX_ABANDONED_CALLS_PER_TOOL = 8
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    """What a tool returns. reward: a process reward for this call; info: kept in the steps table."""
-
-    text: str
-    reward: float = 0.0
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.text, str):
-            raise TypeError(f"ToolResult.text must be a str, got {type(self.text).__name__}")
-        if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
-            raise ValueError(f"ToolResult.reward must be a finite number, got {self.reward!r}")
-
-
-class Tool:
-    """A callable capability the policy invokes by name with JSON arguments.
-
-    Subclasses set `name`, `description`, `parameters` (and optionally `timeout_s`) as class
-    attributes or pass them to `__init__`, and implement `execute`. `execute` receives arguments
-    already validated against `parameters`; returning a str means `ToolResult(text=...)`.
-    """
-
-    name: str
-    description: str
-    parameters: dict[str, Any]
-    timeout_s: float | None = None  # None: execute_call's default_timeout_s applies
-
-    def __init__(
-        self,
-        name: str | None = None,
-        description: str | None = None,
-        parameters: dict[str, Any] | None = None,
-        timeout_s: float | None = None,
-    ):
-        self.name = name if name is not None else getattr(self, "name", None)
-        self.description = description if description is not None else getattr(self, "description", None)
-        self.parameters = parameters if parameters is not None else getattr(self, "parameters", None)
-        self.timeout_s = timeout_s if timeout_s is not None else getattr(self, "timeout_s", None)
-        self._validator = _checked_declaration(self)
-
-    def execute(self, arguments: dict[str, Any]) -> ToolResult | str:
-        raise NotImplementedError(f"tool {self.name!r} ({type(self).__name__}) does not implement execute()")
-
-    def spec(self) -> dict[str, Any]:
-        """The OpenAI function-calling declaration (what chat templates render into the system prompt)."""
-        return {
-            "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
-        }
-
-    def validation_errors(self, arguments: Any) -> list[ValidationError]:
-        return list(self._validator.iter_errors(arguments))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
-
-
-def _checked_declaration(tool: Tool) -> Draft202012Validator:
-    where = f"tool {tool.name!r} ({type(tool).__name__})"
-    if not isinstance(tool.name, str) or not TOOL_NAME_PATTERN.match(tool.name):
-        raise ValueError(f"{where}: name must match {TOOL_NAME_PATTERN.pattern} (letters, digits, _ and -, at most 64)")
-    if not isinstance(tool.description, str) or not tool.description.strip():
-        raise ValueError(f"{where}: description must be a non-empty string (the model reads it to pick the tool)")
-    timeout_ok = isinstance(tool.timeout_s, (int, float)) and not isinstance(tool.timeout_s, bool) and tool.timeout_s > 0
-    if tool.timeout_s is not None and not timeout_ok:
-        raise ValueError(f"{where}: timeout_s must be a positive number of seconds or None, got {tool.timeout_s!r}")
-    if not isinstance(tool.parameters, dict) or tool.parameters.get("type") != "object":
-        raise ValueError(
-            f"{where}: parameters must be a JSON schema dict with \"type\": \"object\", got {tool.parameters!r}"
-        )
-    try:
-        _check_schema(tool.parameters)
-    except SchemaError as exc:
-        path = "/".join(map(str, exc.absolute_path)) or "(root)"
-        raise ValueError(f"{where}: parameters is not a valid JSON schema at {path}: {exc.message}") from None
-    return Draft202012Validator(tool.parameters)
-
-
-_VALID_SCHEMAS: set[str] = set()  # JSON texts of parameter schemas that passed check_schema
-
-
-def _check_schema(parameters: dict[str, Any]) -> None:
-    """Draft202012Validator.check_schema, once per distinct schema.
-
-    Checking a schema against the metaschema costs ~10 ms, and envs build their tools once per
-    episode: without the memo, building 1,000 episodes' search tools took ~10 s of a rollout.
-    """
-    try:
-        key = json.dumps(parameters, sort_keys=True)
-    except (TypeError, ValueError):  # not JSON (e.g. a set inside): check it every time
-        key = None
-    if key is None or key not in _VALID_SCHEMAS:
-        Draft202012Validator.check_schema(parameters)
-        if key is not None:
-            _VALID_SCHEMAS.add(key)
 
 
 # ---- execute_call: one call, every failure becomes an observation --------------------------------
@@ -371,8 +275,3 @@ def make_tool(name: str, kwargs: Mapping[str, Any], resources: ToolResources) ->
     TOOLS.check_kwargs(name, kwargs)
     return TOOLS.get(name)(resources, **kwargs)
 
-
-# Registers the built-in tools in TOOLS; at the bottom because builtin_tools imports this module.
-from agent_core.envs.function_tool import FunctionTool, function_tool  # noqa: E402,F401  (re-exported)
-from agent_core.envs import builtin_tools as _builtin_tools  # noqa: E402,F401
-from agent_core.envs import sandbox as _sandbox  # noqa: E402,F401  (registers the python tool)

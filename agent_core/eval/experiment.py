@@ -90,7 +90,9 @@ class ArmCurve:
 
 
 @dataclass(frozen=True)
-class Score:
+class MethodEm:
+    """A method's (or arm's) EM on the evaluation split: mean and std over the evaluation seeds."""
+
     mean: float
     std: float
 
@@ -102,12 +104,12 @@ class TargetCheck:
     detail: str
 
 
-def _separated(higher: Score, lower: Score) -> bool:
+def _separated(higher: MethodEm, lower: MethodEm) -> bool:
     """higher beats lower by more than the seed noise: the larger of the two stds."""
     return higher.mean - lower.mean > max(higher.std, lower.std)
 
 
-def target_checks(exp: ExperimentConfig, em: dict[str, Score]) -> list[TargetCheck]:
+def target_checks(exp: ExperimentConfig, em: dict[str, MethodEm]) -> list[TargetCheck]:
     """The issue's targets, each with the numbers that decide it. "Above" means by more than one seed
     std (the larger of the two compared), so a difference inside the seed noise never counts."""
     rag, base = em["naive_rag"].mean, em["base_tool_call"]

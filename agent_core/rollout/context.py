@@ -1,4 +1,4 @@
-"""Context management: how an episode's next context is built from its turns (DESIGN.md §2).
+"""Context management: how an episode's next context is built from its turns (docs/architecture.md §2).
 
 Context management is part of the transition, so what the policy is trained on is exactly what it
 saw: the agent loop records the ids this module returns as the step's `prompt_ids`. Everything is
@@ -24,9 +24,7 @@ the observation cut are the kinds of context management its MDP formulation allo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-ContextMode = Literal["append", "last_k"]
 CONTEXT_MODES: tuple[str, ...] = ("append", "last_k")
 
 TRUNCATION_MARKER = " ...[truncated]"

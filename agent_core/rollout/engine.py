@@ -1,4 +1,4 @@
-"""The Engine contract: token ids in, token ids + log-probs out (DESIGN.md §6).
+"""The Engine contract: token ids in, token ids + log-probs out (docs/architecture.md §6).
 
 An action is never decoded and re-encoded: re-tokenizing generated text shifts token boundaries,
 which breaks the recorded log-probs and the action mask. Engines therefore only see and return ids.

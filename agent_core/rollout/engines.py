@@ -1,4 +1,9 @@
-"""Engine registry: a config names the engine; a factory builds it from a policy directory."""
+"""Engine registry: a config names the engine; a factory builds it from a policy directory.
+
+The factories read the checkpoint themselves (agent_core.io.checkpoints, a layer below): each
+engine loads what it needs of it (the hf engine the model, the vLLM engine only the tokenizer, its
+server reads the weights), so callers pass the directory rather than a loaded model.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from agent_core.io.checkpoints import load_policy, load_tokenizer
 from agent_core.registry import Registry
 from agent_core.rollout.engine import Engine
 from agent_core.rollout.vllm_server import VLLMOptions
@@ -27,8 +33,7 @@ ENGINES: Registry[EngineFactory] = Registry("engine")
 
 @ENGINES.register("hf")
 def _hf_engine(policy_dir: Path, options: EngineOptions) -> Engine:
-    from agent_core.io.checkpoints import load_policy
-    from agent_core.rollout.hf_engine import HFEngine
+    from agent_core.rollout.hf_engine import HFEngine  # transformers: imported only when an hf engine is built
 
     model, tokenizer = load_policy(policy_dir)
     return HFEngine(model, tokenizer, max_batch_size=options.max_batch_size)
@@ -36,7 +41,6 @@ def _hf_engine(policy_dir: Path, options: EngineOptions) -> Engine:
 
 @ENGINES.register("vllm")
 def _vllm_engine(policy_dir: Path, options: EngineOptions) -> Engine:
-    from agent_core.io.checkpoints import load_tokenizer
     from agent_core.rollout.vllm_engine import VLLMEngine, pooled_server
 
     server = pooled_server(policy_dir, options.max_model_len, options.vllm)

@@ -1,11 +1,11 @@
-"""The in-process engine: transformers `generate` with a KV cache and left padding (DESIGN.md §6).
+"""The in-process engine: transformers `generate` with a KV cache and left padding (docs/architecture.md §6).
 
 Token ids in, token ids + log-probs out. Log-probs are computed from the raw logits that
 `generate` returns (output_logits=True), as log_softmax(logits / temperature) at the sampled
 token, i.e. the temperature-scaled distribution before top-p truncation. With top_p = 1 (the
 default for RL) that is exactly the sampling distribution, which is what PPO ratios need. Greedy
 decoding (temperature 0) records log-probs at temperature 1. vLLM by default reports log-probs of
-the unscaled logits instead (ENVIRONMENT.md); the two agree at temperature 1.
+the unscaled logits instead (docs/architecture.md §10); the two agree at temperature 1.
 
 Generation is fully specified by an explicit GenerationConfig; the model's own generation config
 is set aside during the call, so no checkpoint default (top_k=50, repetition penalty, min_p)

@@ -1,7 +1,7 @@
-"""The vLLM engine: token ids in, token ids + log-probs out, through a vLLM server (DESIGN.md §6).
+"""The vLLM engine: token ids in, token ids + log-probs out, through a vLLM server (docs/architecture.md §6).
 
 Requests go to `/v1/completions` with prompts as token-id lists and `return_token_ids`, so the
-sampled ids come back as ids (re-tokenizing the returned text gives other ids; ENVIRONMENT.md).
+sampled ids come back as ids (re-tokenizing the returned text gives other ids; docs/architecture.md §10).
 The server runs with `--logprobs-mode processed_logprobs`, so the recorded log-probs are those
 of the temperature-scaled distribution that was sampled, as the HF engine records them. Two
 differences from the HF engine, both documented on `generate`: with top_p < 1 vLLM's log-probs

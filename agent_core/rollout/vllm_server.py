@@ -1,8 +1,8 @@
 """A vLLM OpenAI-compatible server as a child process: start, wait for health, reload weights, stop.
 
 vLLM lives in its own virtualenv (`make vllm` builds `.venv-vllm`): its pins (fastapi, numpy,
-transformers) clash with the pipeline's, so it never shares our interpreter (ENVIRONMENT.md
-"vLLM on this CPU"). The server binds 127.0.0.1 only, runs in its own process group (stopping the
+transformers) clash with the pipeline's, so it never shares our interpreter (docs/architecture.md
+§10). The server binds 127.0.0.1 only, runs in its own process group (stopping the
 API server alone would orphan its engine processes) and its output goes to a bounded in-memory
 buffer whose tail is quoted when the server fails.
 

@@ -7,7 +7,7 @@ values and returns (None when not used), and where its response region starts (t
 mask that is off covers, ``agent_core.algos.masks``): packed, after the first prompt; a step
 row, at the observation values on its prompt suffix, else at its response.
 
-Two layouts (DESIGN.md §2), chosen per episode by ``choose_layout``:
+Two layouts (docs/architecture.md §2), chosen per episode by ``choose_layout``:
 
 - **step rows** (``step_sequence`` / ``episode_step_sequences``): one row per agent step,
   prompt + response. Works with any context management; costs one forward pass per step.
@@ -22,7 +22,8 @@ sit at those tokens' positions; as step rows, they belong to the next step's pro
 masks on, they never reach a loss.
 
 Alignment: position t holds values for token t itself (its log-prob given tokens < t), matching
-``agent_core.training.trainer.sequence_logprobs``; nothing is shifted here.
+``agent_core.training.scoring.sequence_logprobs``; nothing is shifted here. A packed row is
+``agent_core.episodes.pack_steps``'s row, the same alignment as the advantages grid.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import Sequence
 
 import torch
 
-from agent_core.algos.episodes import is_append_only  # noqa: F401  (re-exported; steps of either kind)
 from agent_core.algos.masks import action_mask_for_step, first_action_index
+from agent_core.episodes import is_append_only, pack_steps
 
 LAYOUTS = ("auto", "step", "packed")
 _OPTIONAL_FIELDS = ("ref_logprobs", "old_values", "returns")
@@ -91,6 +92,9 @@ class TrainStep:
     obs_advantages: list[float] | None = None
     obs_returns: list[float] | None = None
     obs_values: list[float] | None = None
+    episode_id: str = ""
+    group_id: str = ""
+    step_idx: int = 0
 
 
 def _check_step_lengths(response_ids, response_logprobs, advantages, **optional) -> None:
@@ -167,10 +171,6 @@ class ObservationValues:
         )
 
 
-def _observation_span(before: TrainStep, after: TrainStep) -> int:
-    return len(after.prompt_ids) - len(before.prompt_ids) - len(before.response_ids)
-
-
 def episode_step_sequences(steps: Sequence[TrainStep]) -> list[TrainSequence]:
     """Step-row layout of one episode: one row per step; step k's obs_* go on step k+1's prompt suffix.
 
@@ -193,49 +193,45 @@ def episode_step_sequences(steps: Sequence[TrainStep]) -> list[TrainSequence]:
 def episode_sequence(steps: Sequence[TrainStep]) -> TrainSequence:
     """Packed layout: one row for an append-only episode (steps in step_idx order).
 
-    input_ids = the last step's prompt + response; each step's response span carries its action
-    mask, log-probs, advantages (and ref log-probs, values, returns when every step has them);
-    each observation span between two responses carries the earlier step's obs_* (0 if absent).
+    input_ids = the episode's packed row (``agent_core.episodes.pack_steps``: the last step's
+    prompt + response); each step's response span carries its action mask, log-probs, advantages
+    (and ref log-probs, values, returns when every step has them); each observation span between
+    two responses carries the earlier step's obs_* (0 if absent).
     """
     if not steps:
         raise ValueError("episode_sequence needs at least one step")
-    if not is_append_only(steps):
+    row = pack_steps(steps)
+    if not row.append_only:
         raise ValueError("episode is not append-only (a step's prompt does not start with the previous prompt + "
                          "response): use the 'step' or 'auto' layout")
     use = {name: all(getattr(s, name) is not None for s in steps) for name in ("ref_logprobs", "values", "returns")}
     for name, present in use.items():
         if not present and any(getattr(s, name) is not None for s in steps):
             raise ValueError(f"{name} is given for some steps of the episode but not for others")
-    first = steps[0]
-    ids = list(first.prompt_ids)
-    columns = {name: [0.0] * len(ids) for name in ("old_logprobs", "advantages", "ref_logprobs", "values", "returns")}
-    mask = [0] * len(ids)
-    for k, step in enumerate(steps):
+    width = len(row)
+    mask = [0] * width
+    columns = {name: [0.0] * width for name in ("old_logprobs", "advantages", "ref_logprobs", "values", "returns")}
+    for k, (step, span) in enumerate(zip(steps, row.spans)):
         _check_step_lengths(step.response_ids, step.response_logprobs, step.advantages, ref_logprobs=step.ref_logprobs,
                             values=step.values, returns=step.returns)
-        n = len(step.response_ids)
-        ids += [int(t) for t in step.response_ids]
-        mask += [1] * n
-        columns["old_logprobs"] += _floats(step.response_logprobs)
-        columns["advantages"] += _floats(step.advantages)
+        response, observation = slice(span.start, span.response_end), slice(span.response_end, span.end)
+        mask[response] = [1] * (span.response_end - span.start)
+        columns["old_logprobs"][response] = _floats(step.response_logprobs)
+        columns["advantages"][response] = _floats(step.advantages)
         for name in ("ref_logprobs", "values", "returns"):
-            columns[name] += _floats(getattr(step, name)) if use[name] else [0.0] * n
+            if use[name]:
+                columns[name][response] = _floats(getattr(step, name))
         if k + 1 < len(steps):
-            span = _observation_span(step, steps[k + 1])
-            observation = ObservationValues.of(step, span, where=f"step {k}")
-            ids += [int(t) for t in steps[k + 1].prompt_ids[len(ids):]]
-            mask += [0] * span
-            columns["old_logprobs"] += [0.0] * span
-            columns["ref_logprobs"] += [0.0] * span
-            columns["advantages"] += observation.advantages
-            columns["values"] += observation.values
-            columns["returns"] += observation.returns
+            stored = ObservationValues.of(step, span.end - span.response_end, where=f"step {k}")
+            columns["advantages"][observation] = stored.advantages
+            columns["values"][observation] = stored.values
+            columns["returns"][observation] = stored.returns
     return TrainSequence(
-        input_ids=ids, action_mask=mask, old_logprobs=columns["old_logprobs"], advantages=columns["advantages"],
-        ref_logprobs=columns["ref_logprobs"] if use["ref_logprobs"] else None,
+        input_ids=list(row.token_ids), action_mask=mask, old_logprobs=columns["old_logprobs"],
+        advantages=columns["advantages"], ref_logprobs=columns["ref_logprobs"] if use["ref_logprobs"] else None,
         old_values=columns["values"] if use["values"] else None,
         returns=columns["returns"] if use["returns"] else None,
-        response_start=len(first.prompt_ids),
+        response_start=row.prompt_length,
     )
 
 

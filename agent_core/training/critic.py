@@ -3,7 +3,7 @@
 ``ValueModel`` = a copy of the policy's backbone (e.g. ``LlamaModel``, no LM head) +
 ``Linear(hidden, 1)``, zero-initialised so every value starts at 0 (the returns' scale is then
 learnt rather than guessed from a random head). ``values`` uses the log-prob alignment of
-``agent_core.training.trainer.sequence_logprobs``: position t holds V(state before token t) =
+``agent_core.training.scoring.sequence_logprobs``: position t holds V(state before token t) =
 head(hidden state at t - 1), position 0 and padding hold 0. So the value, log-prob, advantage and
 return of token t all sit at index t.
 
@@ -11,8 +11,9 @@ Where this differs from verl/OpenRLHF critics: those read the value at token t f
 state AT t (the state after the token). Here the state before the token is used, so the critic
 sees exactly the context the policy conditioned on when it chose token t.
 
-Saving, loading and building a critic from a policy checkpoint are disk work, in
-``agent_core.io.critics``.
+``build_critic`` (from a policy checkpoint) and ``load_critic`` put a ``ValueModel`` together from
+what ``agent_core.io.checkpoints`` reads; writing one is ``agent_core.io.checkpoints.save_critic``
+(the file format lives there, with the policy's).
 
 ``score_logprobs`` (re-exported from agent_core.training.scoring) and ``score_values`` are the no-grad, eval-mode,
 token-budgeted scorers the advantages stage uses for reference log-probs and values.
@@ -21,14 +22,15 @@ token-budgeted scorers the advantages stage uses for reference log-probs and val
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from agent_core.io.checkpoints import load_critic_parts, load_policy
 from agent_core.training.scoring import score_in_micro_batches, score_logprobs
 
-__all__ = ["ValueModel", "value_model_from_policy", "score_logprobs", "score_values"]
-
+__all__ = ["ValueModel", "value_model_from_policy", "build_critic", "load_critic", "score_logprobs", "score_values"]
 
 
 class ValueModel(torch.nn.Module):
@@ -60,6 +62,20 @@ def value_model_from_policy(policy: torch.nn.Module) -> ValueModel:
     if backbone is None or backbone is policy:
         raise ValueError(f"{type(policy).__name__} has no separate base model to put a value head on")
     return ValueModel(copy.deepcopy(backbone))
+
+
+def build_critic(policy_dir: Path, *, dtype: torch.dtype = torch.float32) -> ValueModel:
+    """A fresh critic from the policy checkpoint in `policy_dir` (its weights, a zero value head)."""
+    policy, _ = load_policy(Path(policy_dir), dtype=dtype)
+    return ValueModel(policy.base_model)
+
+
+def load_critic(directory: Path, *, dtype: torch.dtype = torch.float32) -> ValueModel:
+    """Load a critic written by ``save_critic`` (offline; train/eval mode is the caller's)."""
+    backbone, head = load_critic_parts(Path(directory), dtype=dtype)
+    critic = ValueModel(backbone)
+    critic.value_head.load_state_dict(head)
+    return critic
 
 
 def score_values(

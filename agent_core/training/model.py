@@ -10,7 +10,7 @@ Choices that differ from common pretrained setups (SmolLM2, Qwen2.5), and why:
   one step; they are not *special* tokens, so decoding with skip_special_tokens=True keeps them
   and the env can parse them.
 - Input and output embeddings are untied: vLLM's CPU backend keeps a stale copy of a tied LM head
-  after an in-place weight reload (see ENVIRONMENT.md), and untied heads avoid that.
+  after an in-place weight reload (see docs/architecture.md §10), and untied heads avoid that.
 - The generation config carries only token ids, not transformers' sampling defaults (top_k=50),
   so nothing silently changes the distribution the engine samples from.
 """

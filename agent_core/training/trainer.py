@@ -35,17 +35,16 @@ from typing import Sequence
 import torch
 
 from agent_core.algos.kl import kl_penalty
-from agent_core.algos.losses import aggregate_loss, clipped_value_loss, masked_sum, ppo_clip_loss
+from agent_core.algos.losses import POLICY_LOSSES, aggregate_loss, clipped_value_loss, masked_sum
 from agent_core.algos.masks import Masks
 from agent_core.failpoints import failpoint
 from agent_core.training.batches import PaddedBatch, TrainSequence
 from agent_core.training.prepared import Prepared, prepare_update
+from agent_core.training.settings import PPOSettings
 from agent_core.training.safety import (
     CRITIC_INPUTS, POLICY_INPUTS, SkipUpdate, check_finite_output, nonfinite_inputs,
 )
-from agent_core.training.scoring import (  # noqa: F401  (score_logprobs, sequence_logprobs re-exported)
-    MAX_LOGIT_ELEMENTS, model_vocab_size, score_logprobs, sequence_logprobs, vocab_capped_tokens,
-)
+from agent_core.training.scoring import model_vocab_size, score_logprobs, sequence_logprobs, vocab_capped_tokens
 
 
 def make_optimizer(
@@ -99,34 +98,19 @@ class _Totals:
     real_tokens: float = 0.0
 
 
-@dataclass(frozen=True)
-class _LossSettings:
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
-    entropy_coef: float
-    temperature: float
-    agg_mode: str
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    old_logprobs_everywhere: bool = False
-    value_clip: float | None = None
-    vf_coef: float = 1.0
-
-
-def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared, s: _LossSettings,
+def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared, s: PPOSettings,
                         totals: _Totals) -> torch.Tensor:
     """Forward + backward of one policy micro-batch; adds its metrics to totals, returns its loss."""
     logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=s.temperature,
                                           entropy_grad=s.entropy_coef != 0)
     check_finite_output(logprobs, batch.attention_mask, "log-probs")
     old_logprobs = batch.old_logprobs
-    if not s.old_logprobs_everywhere:  # loss tokens the engine did not sample: ratio 1 (module docstring)
+    if not s.recompute_old_logprobs:  # loss tokens the engine did not sample: ratio 1 (module docstring)
         old_logprobs = torch.where((masks.loss_mask > 0) & (batch.action_mask == 0), logprobs.detach(), old_logprobs)
     scale = prep.policy_norms.scale()
-    policy = ppo_clip_loss(logprobs, old_logprobs, batch.advantages, masks.loss_mask,  # its own advantage per token
-                           clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip, agg_mode=s.agg_mode,
-                           **scale)
+    policy = POLICY_LOSSES.get(s.policy_loss)(
+        logprobs, old_logprobs, batch.advantages, masks.loss_mask,  # its own advantage per token
+        clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip, agg_mode=s.agg_mode, **scale)
     loss = policy.loss
     if s.entropy_coef != 0:
         loss = loss - s.entropy_coef * aggregate_loss(entropy, masks.loss_mask, s.agg_mode, **scale)
@@ -150,7 +134,7 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared,
     return loss.detach()
 
 
-def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared, s: _LossSettings,
+def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared, s: PPOSettings,
                         totals: _Totals) -> torch.Tensor:
     """Forward + backward of the clipped value loss on the advantage-mask tokens (they have returns)."""
     values = critic.values(batch.input_ids, batch.attention_mask)
@@ -204,8 +188,8 @@ def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad
     return grad_norm, skip_reason
 
 
-def _update(policy, optimizer, sequences, s: _LossSettings, *, critic, critic_optimizer, pad_id, micro_batch_tokens,
-            max_grad_norm, use_loss_mask, use_advantage_mask, norm_length) -> tuple[UpdateResult, bool]:
+def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_optimizer, pad_id,
+            micro_batch_tokens) -> tuple[UpdateResult, bool]:
     """One policy optimizer step (and one critic step when a critic is given) over `sequences`.
 
     Returns the metrics and whether the policy step was taken.
@@ -214,12 +198,12 @@ def _update(policy, optimizer, sequences, s: _LossSettings, *, critic, critic_op
         raise ValueError("an update needs at least one sequence")
     started = time.perf_counter()
     prep = prepare_update(sequences, next(policy.parameters()).device, pad_id=pad_id,
-                          micro_batch_tokens=micro_batch_tokens, use_loss_mask=use_loss_mask,
-                          use_advantage_mask=use_advantage_mask, norm_length=norm_length)
+                          micro_batch_tokens=micro_batch_tokens, use_loss_mask=s.use_loss_mask,
+                          use_advantage_mask=s.use_advantage_mask, norm_length=s.norm_length)
     totals, grad_norm, reasons = _Totals(), math.nan, []
     if prep.policy_norms.num_tokens > 0:
         grad_norm, reason = _accumulate_and_step(
-            policy, optimizer, prep, lambda b, m: _policy_micro_batch(policy, b, m, prep, s, totals), max_grad_norm,
+            policy, optimizer, prep, lambda b, m: _policy_micro_batch(policy, b, m, prep, s, totals), s.max_grad_norm,
             POLICY_INPUTS)
         policy_skipped = reason is not None
         reasons += [reason] if reason else []
@@ -230,7 +214,7 @@ def _update(policy, optimizer, sequences, s: _LossSettings, *, critic, critic_op
     if critic is not None and prep.value_norms.num_tokens > 0:
         _, reason = _accumulate_and_step(
             critic, critic_optimizer, prep, lambda b, m: _critic_micro_batch(critic, b, m, prep, s, totals),
-            max_grad_norm, CRITIC_INPUTS)
+            s.max_grad_norm, CRITIC_INPUTS)
         vf_loss = math.nan if reason else totals.vf_loss
         reasons += [f"critic: {reason}"] if reason else []
     seconds = time.perf_counter() - started
@@ -253,27 +237,10 @@ def _update(policy, optimizer, sequences, s: _LossSettings, *, critic, critic_op
     return result, not policy_skipped
 
 
-def ppo_update(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    sequences: Sequence[TrainSequence],
-    *,
-    pad_id: int,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    entropy_coef: float,
-    max_grad_norm: float | None,
-    micro_batch_tokens: int,
-    temperature: float,
-    agg_mode: str,
-    use_loss_mask: bool = True,
-    use_advantage_mask: bool = True,
-    norm_length: float | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-) -> UpdateResult:
-    """ONE optimizer step of the PPO clipped objective over all `sequences` (no critic).
+def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: Sequence[TrainSequence],
+               settings: PPOSettings, *, pad_id: int) -> UpdateResult:
+    """ONE optimizer step of the policy loss over all `sequences` (no critic; epochs, mini_batches,
+    recompute_old_logprobs and max_logit_elements of `settings` are not used here).
 
     Gradients are accumulated over micro-batches of <= micro_batch_tokens padded tokens with
     normalizers counted over all sequences, then clipped to max_grad_norm (None: not clipped).
@@ -283,16 +250,13 @@ def ppo_update(
     The learning rate is read from the optimizer (the caller owns the schedule). The model is in
     train mode during the update and gets its previous mode back afterwards.
     """
-    settings = _LossSettings(clip_low, clip_high, dual_clip, entropy_coef, temperature, agg_mode, kl_coef, kl_estimator)
-    result, _ = _update(model, optimizer, sequences, settings, critic=None, critic_optimizer=None, pad_id=pad_id,
-                        micro_batch_tokens=micro_batch_tokens, max_grad_norm=max_grad_norm,
-                        use_loss_mask=use_loss_mask, use_advantage_mask=use_advantage_mask, norm_length=norm_length)
+    one_step = replace(settings, recompute_old_logprobs=False)
+    result, _ = _update(model, optimizer, sequences, one_step, critic=None, critic_optimizer=None, pad_id=pad_id,
+                        micro_batch_tokens=settings.micro_batch_tokens)
     return result
 
 
-def _check_iteration_inputs(sequences, critic, critic_optimizer, kl_coef, epochs, mini_batches) -> None:
-    if epochs < 1 or mini_batches < 1:
-        raise ValueError(f"epochs and mini_batches must be >= 1, got {epochs} and {mini_batches}")
+def _check_iteration_inputs(sequences, critic, critic_optimizer, kl_coef) -> None:
     if not sequences:
         raise ValueError("train_iteration needs at least one training sequence")
     if (critic is None) != (critic_optimizer is None):
@@ -308,33 +272,16 @@ def train_iteration(
     policy: torch.nn.Module,
     policy_optimizer: torch.optim.Optimizer,
     sequences: Sequence[TrainSequence],
+    settings: PPOSettings,
     *,
+    pad_id: int,
     critic: torch.nn.Module | None = None,
     critic_optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    pad_id: int,
-    epochs: int = 1,
-    mini_batches: int = 1,
     seed: int = 0,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    entropy_coef: float = 0.0,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    value_clip: float | None = 0.2,
-    vf_coef: float = 1.0,
-    max_grad_norm: float | None = 1.0,
-    micro_batch_tokens: int = 4096,
-    temperature: float = 1.0,
-    agg_mode: str = "token-mean",
-    use_loss_mask: bool = True,
-    use_advantage_mask: bool = True,
-    norm_length: float | None = None,
-    recompute_old_logprobs: bool = False,
-    max_logit_elements: int = MAX_LOGIT_ELEMENTS,
 ) -> list[UpdateResult]:
-    """PPO on one iteration's sequences: `epochs` passes, each over `mini_batches` shuffled mini-batches.
+    """PPO on one iteration's sequences: `settings.epochs` passes, each over `settings.mini_batches`
+    shuffled mini-batches.
 
     One policy optimizer step per mini-batch (see ``ppo_update``) and, with a critic, one critic
     step on the clipped value loss (value_clip; None = unclipped) scaled by vf_coef, with its own
@@ -345,23 +292,20 @@ def train_iteration(
     count) gives one mini-batch per sequence. Returns one UpdateResult per mini-batch, in order.
     max_logit_elements caps micro_batch_tokens x the policy's vocabulary (see scoring.vocab_capped_tokens).
     """
-    _check_iteration_inputs(sequences, critic, critic_optimizer, kl_coef, epochs, mini_batches)
-    micro_batch_tokens = vocab_capped_tokens(micro_batch_tokens, model_vocab_size(policy), max_logit_elements)
-    if recompute_old_logprobs:
-        fresh = score_logprobs(policy, [s.input_ids for s in sequences], pad_id, micro_batch_tokens, temperature)
-        sequences = [replace(s, old_logprobs=logprobs) for s, logprobs in zip(sequences, fresh)]
-    settings = _LossSettings(clip_low, clip_high, dual_clip, entropy_coef, temperature, agg_mode, kl_coef, kl_estimator,
-                             old_logprobs_everywhere=recompute_old_logprobs, value_clip=value_clip, vf_coef=vf_coef)
+    s = settings
+    _check_iteration_inputs(sequences, critic, critic_optimizer, s.kl_coef)
+    micro_batch_tokens = vocab_capped_tokens(s.micro_batch_tokens, model_vocab_size(policy), s.max_logit_elements)
+    if s.recompute_old_logprobs:
+        fresh = score_logprobs(policy, [q.input_ids for q in sequences], pad_id, micro_batch_tokens, s.temperature)
+        sequences = [replace(q, old_logprobs=logprobs) for q, logprobs in zip(sequences, fresh)]
     generator = torch.Generator().manual_seed(seed)
     results = []
-    for _ in range(epochs):
+    for _ in range(s.epochs):
         order = torch.randperm(len(sequences), generator=generator)
-        for chunk in torch.tensor_split(order, min(mini_batches, len(sequences))):
+        for chunk in torch.tensor_split(order, min(s.mini_batches, len(sequences))):
             result, policy_stepped = _update(
-                policy, policy_optimizer, [sequences[i] for i in chunk.tolist()], settings, critic=critic,
-                critic_optimizer=critic_optimizer, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens,
-                max_grad_norm=max_grad_norm, use_loss_mask=use_loss_mask, use_advantage_mask=use_advantage_mask,
-                norm_length=norm_length)
+                policy, policy_optimizer, [sequences[i] for i in chunk.tolist()], s, critic=critic,
+                critic_optimizer=critic_optimizer, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens)
             if scheduler is not None and policy_stepped:
                 scheduler.step()
             results.append(result)

@@ -1,8 +1,12 @@
-"""Per-step rewards for the advantage estimators: outcome + weighted, normalized process rewards.
+"""The one place process and outcome rewards are combined: outcome + weighted, normalized process rewards.
+
+Called once per iteration by reward labelling (``agent_core.rewards.labelling``); the rewards
+table stores both components and the combined `reward`, and everything downstream (the
+advantage estimators, the logged mean reward) reads that column.
 
 Agent-R1 (arXiv 2511.14460) gives intermediate steps process rewards (e.g. a tool call that
 failed) besides the outcome reward at the terminal step, and normalizes the process rewards
-before combining the two so that dense shaping cannot outweigh the outcome (DESIGN.md §7).
+before combining the two so that dense shaping cannot outweigh the outcome (docs/architecture.md §7).
 The paper does not fix the normalizer; ``"max_abs"`` here divides every process reward of the
 batch by the largest absolute per-episode SUM of process rewards, so each episode's process
 return lies in [-1, 1], the range of a typical outcome reward. Single steps may still exceed 1

@@ -1,4 +1,9 @@
-"""Reading and writing pipeline configs as YAML files."""
+"""Reading and writing pipeline configs as YAML files.
+
+`read_config` parses and validates the files (keys, types, ranges) but does not check registry
+names, which needs the modules above io: a config for a run is loaded with
+`agent_core.validation.load_config`, which reads it here and then checks its names.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +12,33 @@ from typing import Any, Sequence
 
 import yaml
 
-from agent_core.config import ConfigError, PipelineConfig, apply_overrides, build_config
-from agent_core.io.atomic import atomic_file
+from agent_core.config import ConfigError, PipelineConfig, apply_overrides, parse_config
+from agent_core.io.atomic import write_text_atomic
 
 
-def load_config(paths: str | Path | Sequence[str | Path] | None = None,
+def read_config(paths: str | Path | Sequence[str | Path] | None = None,
                 overrides: list[str] | None = None) -> PipelineConfig:
-    """Load YAML configs and apply `a.b=v` overrides; the embedded defaults fill what is not set.
+    """Read YAML configs and apply `a.b=v` overrides; the embedded defaults fill what is not set.
 
     Several files are merged in order, section by section, a later file winning key by key: e.g.
     `configs/tiny.yaml` then `configs/algos/ppo.yaml` is the tiny model trained with PPO.
     """
-    if paths is None:
-        paths = []
-    elif isinstance(paths, (str, Path)):
-        paths = [paths]
     data: dict[str, Any] = {}
-    for path in map(Path, paths):
+    for path in _paths(paths):
         data = _merge(data, _read(path))
     data = apply_overrides(data, overrides or [])
-    return build_config(data, source=" + ".join(map(str, paths)) or "config")
+    return parse_config(data, source=config_source(paths))
+
+
+def config_source(paths: str | Path | Sequence[str | Path] | None) -> str:
+    """How errors name the config read from `paths`: the files joined by " + ", or "config"."""
+    return " + ".join(map(str, _paths(paths))) or "config"
+
+
+def _paths(paths: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    if paths is None:
+        return []
+    return [Path(paths)] if isinstance(paths, (str, Path)) else list(map(Path, paths))
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -53,6 +65,5 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def save_config(config: PipelineConfig, path: Path) -> Path:
     """Write the resolved config next to the run's tables (atomically, like every output)."""
-    with atomic_file(path, "w") as sink:
-        sink.write(config.to_yaml())
+    write_text_atomic(path, config.to_yaml())
     return path

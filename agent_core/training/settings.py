@@ -1,0 +1,72 @@
+"""The settings of a PPO training iteration, one typed container built from the config in one place.
+
+``train_iteration`` and ``ppo_update`` take a ``PPOSettings`` instead of two dozen keyword
+arguments; the train stage builds it with ``PPOSettings.from_config``. It holds plain values
+(a library caller or a test can make one without a config) and allows what the config forbids
+for runs but a test needs: no gradient clipping (max_grad_norm None), an unclipped value loss
+(value_clip None), a fixed seq-mean-token-sum-norm constant (norm_length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agent_core.config import AlgorithmConfig, TrainerConfig
+from agent_core.training.scoring import MAX_LOGIT_ELEMENTS
+
+
+@dataclass(frozen=True)
+class PPOSettings:
+    """What one PPO iteration does (defaults = the config's defaults).
+
+    epochs, mini_batches: passes over the data and optimizer steps per pass.
+    clip_low, clip_high, dual_clip: the clipped surrogate (``agent_core.algos.losses``).
+    policy_loss: the registered policy loss (``agent_core.algos.losses.POLICY_LOSSES``).
+    entropy_coef, kl_coef, kl_estimator: the entropy bonus and the KL-to-reference loss term.
+    value_clip, vf_coef: the critic's clipped value loss and its weight (None: unclipped).
+    max_grad_norm: gradient clipping (None: none). micro_batch_tokens: padded tokens per
+    micro-batch, capped so that tokens x vocabulary <= max_logit_elements.
+    temperature: the sampling temperature the log-probs are computed at.
+    agg_mode: the loss aggregation (``LOSS_AGG_MODES``); norm_length: its seq-mean-token-sum-norm
+    constant (None: the longest loss span of the update).
+    use_loss_mask, use_advantage_mask: the mask ablations (``agent_core.algos.masks``).
+    recompute_old_logprobs: old log-probs from the policy before the first step (else the rollout's).
+    """
+
+    epochs: int = 1
+    mini_batches: int = 1
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    policy_loss: str = "ppo_clip"
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    value_clip: float | None = 0.2
+    vf_coef: float = 1.0
+    max_grad_norm: float | None = 1.0
+    micro_batch_tokens: int = 4096
+    max_logit_elements: int = MAX_LOGIT_ELEMENTS
+    temperature: float = 1.0
+    agg_mode: str = "token-mean"
+    norm_length: float | None = None
+    use_loss_mask: bool = True
+    use_advantage_mask: bool = True
+    recompute_old_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.mini_batches < 1:
+            raise ValueError(f"epochs and mini_batches must be >= 1, got {self.epochs} and {self.mini_batches}")
+
+    @classmethod
+    def from_config(cls, trainer: TrainerConfig, algorithm: AlgorithmConfig, temperature: float | None) -> "PPOSettings":
+        """The run's settings: a KL in the reward was applied by the advantages stage, so it is no loss term."""
+        return cls(
+            epochs=trainer.epochs, mini_batches=trainer.mini_batches, clip_low=trainer.clip_low,
+            clip_high=trainer.clip_high, dual_clip=trainer.dual_clip, policy_loss=trainer.policy_loss,
+            entropy_coef=trainer.entropy_coef, kl_coef=0.0 if algorithm.kl_in_reward else algorithm.kl_coef,
+            kl_estimator=algorithm.kl_estimator, value_clip=trainer.value_clip, max_grad_norm=trainer.max_grad_norm,
+            micro_batch_tokens=trainer.micro_batch_tokens, max_logit_elements=trainer.micro_batch_logits,
+            temperature=temperature or 1.0, agg_mode=trainer.loss_agg_mode, use_loss_mask=algorithm.use_loss_mask,
+            use_advantage_mask=algorithm.use_advantage_mask, recompute_old_logprobs=trainer.recompute_old_logprobs,
+        )

@@ -1,0 +1,97 @@
+"""The registry-name checks of a pipeline config, and the config loaders that run them.
+
+A config names swappable parts by string (engine, env, tool format and tools, scorer, advantage
+and KL estimators, policy loss, loss aggregation mode). Those names are registered by the modules that
+implement them and by plugins, so they can only be checked once everything is imported; the
+config models (`agent_core.config`) import none of those modules, and `check_names` does it here,
+at the top of the library, once a config is validated (its plugins loaded).
+
+Every entry point that loads a config for a run goes through here: `load_config` (YAML files and
+`a.b=v` overrides) and `build_config` (a dict): `agent_core.io.config_files` / `agent_core.config`
+parsing, then `check_names`; the training flow checks the config it is handed as well.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from agent_core.algos.estimator_core import ADVANTAGE_ESTIMATORS, estimator_ignores_advantage_mask
+from agent_core.algos.kl import KL_ESTIMATORS
+from agent_core.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from agent_core.config import AlgorithmConfig, ConfigError, PipelineConfig, RolloutConfig, parse_config
+from agent_core.envs.formats import FORMATS
+from agent_core.envs.registry import ENVS, check_env_spec, check_tool_entries
+from agent_core.io.config_files import config_source, read_config
+from agent_core.registry import Registry, UnknownNameError
+from agent_core.rewards.scorers import SCORERS
+from agent_core.rollout.engines import ENGINES
+
+
+def load_config(paths: str | Path | Sequence[str | Path] | None = None,
+                overrides: list[str] | None = None) -> PipelineConfig:
+    """Read YAML configs with overrides (`agent_core.io.config_files.read_config`), then `check_names`."""
+    config = read_config(paths, overrides)
+    return check_names(config, config_source(paths))
+
+
+def build_config(data: dict[str, Any], source: str = "config") -> PipelineConfig:
+    """A config from a dict (`agent_core.config.parse_config`), then `check_names`."""
+    return check_names(parse_config(data, source), source)
+
+
+def check_names(config: PipelineConfig, source: str = "config") -> PipelineConfig:
+    """Return `config` if every name in it is registered; else ConfigError listing each bad key with
+    the valid names. A check that depends on a name (the env's kwargs on the env, the advantage-mask
+    ablation on the estimator) is skipped while that name is unknown, so each mistake is told once."""
+    problems = [
+        *_rollout_problems(config.rollout),
+        *_unknown("reward.scorer", SCORERS, config.reward.scorer),
+        *_algorithm_problems(config.algorithm),
+        *_unknown("trainer.loss_agg_mode", LOSS_AGG_MODES, config.trainer.loss_agg_mode),
+        *_unknown("trainer.policy_loss", POLICY_LOSSES, config.trainer.policy_loss),
+    ]
+    if problems:
+        raise ConfigError(f"invalid {source}:\n" + "\n".join(problems))
+    return config
+
+
+def _unknown(key: str, registry: Registry, name: str) -> list[str]:
+    try:
+        registry.check(name)
+    except UnknownNameError as error:
+        return [f"{key}: {error}"]
+    return []
+
+
+def _rollout_problems(cfg: RolloutConfig) -> list[str]:
+    problems = _unknown("rollout.engine", ENGINES, cfg.engine)
+    env_problems = [] if cfg.env is None else _unknown("rollout.env", ENVS, cfg.env)
+    return problems + (env_problems or _env_kwargs_problems(cfg))
+
+
+def _env_kwargs_problems(cfg: RolloutConfig) -> list[str]:
+    """env_kwargs must fit the config's env (keys, tool format, tool names), or, with no env set,
+    name registered tools and format (they refine each prompt's own env)."""
+    if cfg.env is not None:
+        try:
+            check_env_spec(cfg.env, cfg.env_kwargs)
+        except ValueError as error:
+            return [f"rollout.env_kwargs: {error}"]
+    elif "tools" in cfg.env_kwargs:
+        try:
+            check_tool_entries(cfg.env_kwargs["tools"], "rollout.env_kwargs")
+        except ValueError as error:
+            return [str(error)]
+    if "tool_format" in cfg.env_kwargs:
+        return _unknown("rollout.env_kwargs.tool_format", FORMATS, cfg.env_kwargs["tool_format"])
+    return []
+
+
+def _algorithm_problems(cfg: AlgorithmConfig) -> list[str]:
+    estimator = _unknown("algorithm.estimator", ADVANTAGE_ESTIMATORS, cfg.estimator)
+    problems = estimator + _unknown("algorithm.kl_estimator", KL_ESTIMATORS, cfg.kl_estimator)
+    if not estimator and not cfg.use_advantage_mask and estimator_ignores_advantage_mask(cfg.estimator):
+        problems.append(f"algorithm.use_advantage_mask=false changes nothing for estimator {cfg.estimator!r}: "
+                        "its advantage is the episode's score, a sum of rewards on action tokens either way")
+    return problems
