@@ -330,6 +330,13 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# Keys that moved, so an old config says where its key went.
+MOVED_KEYS = {
+    "algorithm.process_reward_weight": "reward.process_weight",
+    "algorithm.process_reward_norm": "reward.process_norm",
+}
+
+
 def _check_keys(model: type[BaseModel], data: Any, prefix: str = "") -> None:
     """Fail on unknown keys with the valid keys listed (pydantic alone does not list them)."""
     if not isinstance(data, dict):
@@ -337,7 +344,9 @@ def _check_keys(model: type[BaseModel], data: Any, prefix: str = "") -> None:
     fields = model.model_fields
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(f"unknown config key '{prefix}{key}'; valid keys here: {', '.join(fields)}")
+            moved = MOVED_KEYS.get(f"{prefix}{key}")
+            hint = f" (it moved to '{moved}': rewards are combined once, at labelling)" if moved else ""
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}; valid keys here: {', '.join(fields)}")
         annotation = fields[key].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             _check_keys(annotation, value, f"{prefix}{key}.")

@@ -30,6 +30,15 @@ def test_unknown_key_lists_valid_keys():
     assert "rollout.grup_size" in message and "group_size" in message and "max_steps" in message
 
 
+def test_a_moved_key_says_where_it_went():
+    with pytest.raises(ConfigError, match=r"'algorithm.process_reward_norm' \(it moved to 'reward.process_norm'"):
+        load_config(None, ["algorithm.process_reward_norm=max_abs"])
+    assert load_config(None, ["reward.process_norm=max_abs"]).reward.process_norm == "max_abs"
+    with pytest.raises(ConfigError) as error:  # keys that did not move get no hint
+        load_config(None, ["rollout.grup_size=8"])
+    assert "moved" not in str(error.value)
+
+
 def test_unknown_top_level_section_lists_sections(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("rolout:\n  group_size: 2\n")
