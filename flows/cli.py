@@ -68,8 +68,19 @@ def resolve_config(name: str) -> str:
     return name
 
 
+def _version() -> str:
+    """The installed distribution's version (a checkout run without installing says so)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agentr1-pipeline")
+    except PackageNotFoundError:
+        return "(not installed: run `make install`)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentr1", description="RL training pipeline for tool-using LLM agents")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:

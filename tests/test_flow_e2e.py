@@ -14,6 +14,7 @@ from agent_core.validation import load_config
 from flows.cli import main as cli_main
 from flows.rerun import rerun_stage
 from flows.train import train
+from tasks.track import TrackingRef, log_iteration
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,12 +39,19 @@ def test_every_stage_wrote_its_table_for_every_iteration(trained):
     assert [s.iteration for s in result.iterations] == list(range(config.iterations))
 
 
+README_QUERY = ("select iteration, count(*) as episodes, avg(ret) as mean_reward from (select iteration, episode_id, "
+                "sum(reward) as ret from rewards group by all) group by 1 order by 1")
+
+
 def test_sql_over_all_tables_answers_the_readme_query(trained):
-    config, _, root = trained
-    table = run_query(root.path, "select iteration, count(*) as n, avg(reward) as r from rewards group by 1 order by 1")
+    config, result, root = trained
+    assert README_QUERY in (REPO_ROOT / "README.md").read_text()
+    table = run_query(root.path, README_QUERY)
     assert table.column("iteration").to_pylist() == list(range(config.iterations))
-    steps = run_query(root.path, "select iteration, count(*) as n from steps group by 1 order by 1")
-    assert table.column("n").to_pylist() == steps.column("n").to_pylist()
+    # per episode, as the end-of-run summary and MLflow's mean_reward
+    assert table.column("mean_reward").to_pylist() == pytest.approx([s.mean_reward for s in result.iterations])
+    episodes = run_query(root.path, "select iteration, count(distinct episode_id) as n from steps group by 1 order by 1")
+    assert table.column("episodes").to_pylist() == episodes.column("n").to_pylist()
 
 
 def test_mlflow_has_the_run_metrics_and_one_model_version_per_iteration(trained):
@@ -57,6 +65,23 @@ def test_mlflow_has_the_run_metrics_and_one_model_version_per_iteration(trained)
     versions = client.search_model_versions(f"name='{result.model_name}'")
     assert sorted(int(v.version) for v in versions) == list(range(1, config.iterations + 1))
     assert result.model_version == config.iterations
+
+
+def test_relogging_an_iteration_adds_no_metric_point(trained):
+    """A kill after the metrics were logged but before log_iteration's manifest: the rerun logs nothing twice;
+    a metric that does not apply (GRPO has no critic, so no value loss) is never logged."""
+    config, result, root = trained
+    run = root.run("e2e")
+    ref = TrackingRef(result.tracking_uri, root.mlflow_artifacts.resolve().as_uri(), config.tracking.experiment,
+                      result.mlflow_run_id)
+    run.manifest_path("log_iteration", 0).unlink()
+    log_iteration.fn(run, 0, ref, str(run.checkpoint_dir(0)), result.model_name)
+    assert run.manifest_path("log_iteration", 0).is_file()
+    client = MlflowClient(result.tracking_uri)
+    for metric in ("mean_reward", "em", "loss", "dev_em"):
+        assert [m.step for m in client.get_metric_history(result.mlflow_run_id, metric)] == list(
+            range(config.iterations)), metric
+    assert client.get_metric_history(result.mlflow_run_id, "value_loss") == []
 
 
 def test_rerun_one_stage_rewrites_only_its_table(trained):

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -118,6 +119,10 @@ def test_the_installed_package_lists_its_shipped_configs(installed, tmp_path):
     assert listing.returncode == 0, listing.stdout + listing.stderr
     assert f"{installed / 'flows' / 'configs' / 'tiny.yaml'}" in listing.stdout
     assert f"{installed / 'flows' / 'configs' / 'algos' / 'ppo.yaml'}" in listing.stdout
+    shown = subprocess.run([str(installed / "bin" / "agentr1"), "--version"], cwd=outside, env=env,
+                           capture_output=True, text=True, timeout=120)
+    declared = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert shown.returncode == 0 and shown.stdout.strip() == f"agentr1 {declared}", shown.stdout + shown.stderr
 
 
 @pytest.mark.slow

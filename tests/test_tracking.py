@@ -91,14 +91,25 @@ def test_a_second_tracker_on_the_same_store_reuses_experiment_and_run(tracker: T
     assert again.start_run("run-d", {"seed": 1}) == mlflow_run_id
 
 
-def test_metrics_logged_at_two_steps_read_back_with_nan_kept(tracker: Tracker):
+def test_metrics_logged_at_two_steps_read_back_without_the_ones_that_do_not_apply(tracker: Tracker):
     mlflow_run_id = tracker.start_run("run-metrics", {})
     tracker.log_metrics(mlflow_run_id, {"loss": 1.5, "reward/mean": 0.25}, step=0)
-    tracker.log_metrics(mlflow_run_id, {"loss": 0.75, "reward/mean": float("nan")}, step=1)
+    logged = tracker.log_metrics(mlflow_run_id, {"loss": 0.75, "reward/mean": float("nan"), "vf": math.inf}, step=1)
+    assert logged == {"loss": 0.75}
     loss = sorted((m.step, m.value) for m in tracker.client.get_metric_history(mlflow_run_id, "loss"))
     assert loss == [(0, 1.5), (1, 0.75)]
     reward = {m.step: m.value for m in tracker.client.get_metric_history(mlflow_run_id, "reward/mean")}
-    assert reward[0] == 0.25 and math.isnan(reward[1])
+    assert reward == {0: 0.25}  # NaN at step 1: not applicable, not logged
+    assert tracker.client.get_metric_history(mlflow_run_id, "vf") == []
+
+
+def test_a_metric_is_logged_once_per_step(tracker: Tracker):
+    mlflow_run_id = tracker.start_run("run-once", {})
+    tracker.log_metrics(mlflow_run_id, {"loss": 1.5}, step=0)
+    assert tracker.log_metrics(mlflow_run_id, {"loss": 9.0, "em": 0.5}, step=0) == {"em": 0.5}  # a resumed log
+    tracker.log_metrics(mlflow_run_id, {"loss": 0.5}, step=1)
+    history = sorted((m.step, m.value) for m in tracker.client.get_metric_history(mlflow_run_id, "loss"))
+    assert history == [(0, 1.5), (1, 0.5)]
 
 
 def test_register_checkpoint_is_idempotent_and_numbers_iterations(tracker: Tracker, tmp_path: Path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -234,13 +235,25 @@ class Tracker:
         for batch in _chunks(changed, MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(mlflow_run_id, tags=batch, synchronous=True)
 
-    def log_metrics(self, mlflow_run_id: str, metrics: Mapping[str, float], step: int) -> None:
-        """Log all `metrics` at `step` in one batch call (NaN and inf are kept: MLflow stores them)."""
+    def log_metrics(self, mlflow_run_id: str, metrics: Mapping[str, float], step: int) -> dict[str, float]:
+        """Log `metrics` at `step` in batch calls, each (name, step) once; return what was logged.
+
+        A metric that does not apply has no value (NaN or inf: value_loss without a critic, dev EM
+        of an iteration that was not evaluated) and is not logged, so a chart shows no fake points.
+        A (name, step) the run already has is not logged again: a resumed run, or one killed
+        between this call and its stage's manifest, keeps one point per iteration.
+        """
         timestamp_ms = int(time.time() * 1000)
-        entries = [Metric(key, float(value), timestamp_ms, int(step)) for key, value in metrics.items()]
+        fresh = {key: float(value) for key, value in metrics.items()
+                 if math.isfinite(float(value)) and not self._has_metric(mlflow_run_id, key, int(step))}
+        entries = [Metric(key, value, timestamp_ms, int(step)) for key, value in fresh.items()]
         for batch in _chunks(entries, MAX_METRICS_PER_BATCH):
             self.client.log_batch(mlflow_run_id, metrics=batch, synchronous=True)
         failpoint("tracking:metrics_logged")
+        return fresh
+
+    def _has_metric(self, mlflow_run_id: str, key: str, step: int) -> bool:
+        return any(m.step == step for m in self.client.get_metric_history(mlflow_run_id, key))
 
     def log_artifacts(self, mlflow_run_id: str, local_dir: Path | str, artifact_path: str | None = None) -> None:
         local_dir = Path(local_dir)
