@@ -97,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--run-id", default=None, help="default: a fresh id")
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set rollout.group_size=8 (repeatable)")
+        cmd.add_argument("--dry-run", action="store_true",
+                         help="check the config (keys, values, registered names), print it resolved as YAML, and exit")
 
     resume = add("resume", "continue a stopped or crashed run from its recorded config; completed stages are skipped")
     resume.add_argument("--run-id", required=True)
@@ -151,7 +153,11 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"data_root={args.data_root}")
     run_id = args.run_id or new_run_id(args.command)
     configs = [resolve_config(name) for name in args.configs]
-    return _run_training(load_config(configs, [*overrides, f"run_id={run_id}"]))
+    config = load_config(configs, [*overrides, f"run_id={run_id}"])
+    if args.dry_run:  # nothing is started and nothing is written
+        print(config.to_yaml(), end="")
+        return 0
+    return _run_training(config)
 
 
 def _resume(args: argparse.Namespace) -> int:
