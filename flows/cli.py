@@ -208,9 +208,13 @@ def _score(value: float) -> str:
 
 
 def _query(args: argparse.Namespace) -> int:
-    from agent_core.io.query import format_table, run_query, write_result
+    from agent_core.io.query import format_table, has_tables, run_query, write_result
 
-    table = run_query(Path(args.data_root or DEFAULT_DATA_ROOT), args.sql)
+    data_root = Path(args.data_root or DEFAULT_DATA_ROOT)
+    if not has_tables(data_root):
+        raise FileNotFoundError(f"no tables under {data_root}: no run, dataset or eval has written any yet "
+                                "(start one with `agentr1 train`, or point --data-root at an existing one)")
+    table = run_query(data_root, args.sql)
     if args.output:
         write_result(table, Path(args.output))
         print(f"agentr1: wrote {table.num_rows} rows to {args.output}")
@@ -220,9 +224,16 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _rerun(args: argparse.Namespace) -> int:
+    from agent_core.io.layout import DataRoot
+    from flows.rerun import STAGES, rerun_stage
+
     data_root = args.data_root or DEFAULT_DATA_ROOT
+    # bad input fails here, in one line, before the Prefect server starts
+    if args.stage not in STAGES:
+        raise ValueError(f"unknown --stage {args.stage!r}; valid stages: {', '.join(STAGES)}")
+    if not DataRoot(Path(data_root)).run(args.run_id).config_path.is_file():
+        raise FileNotFoundError(f"no run {args.run_id!r} under {Path(data_root) / 'runs'} (see `agentr1 runs`)")
     configure_environment(data_root)
-    from flows.rerun import rerun_stage
 
     written = rerun_stage(data_root, args.run_id, args.iteration, args.stage, list(args.overrides))
     print(f"agentr1: reran {args.stage} of run {args.run_id} iteration {args.iteration}: {written}")
@@ -324,6 +335,9 @@ COMMANDS = {"demo": _train, "train": _train, "resume": _resume, "query": _query,
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        data_root = getattr(args, "data_root", None)
+        if data_root and Path(data_root).exists() and not Path(data_root).is_dir():
+            raise ValueError(f"--data-root {data_root} is a file; it must be a folder (or not exist yet)")
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, KeyError, RunInUseError) as error:
         # user errors (config typos, missing runs, bad SQL) get one clear line, not a traceback

@@ -146,6 +146,12 @@ def _linked(files: list[Path], folder: Path) -> list[Path]:
     return linked
 
 
+def has_tables(data_root: Path) -> bool:
+    """Whether `data_root` holds any table a query could read (a run's, a dataset's or an eval's)."""
+    return any(files for files in (*run_table_files(data_root).values(), *dataset_table_files(data_root).values(),
+                                   *eval_table_files(data_root).values()))
+
+
 def catalog_views(con: duckdb.DuckDBPyConnection) -> list[str]:
     """Names of the user views on `con` (registered Arrow tables included), sorted."""
     rows = con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal ORDER BY view_name").fetchall()
