@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     rerun.add_argument("--stage", required=True, help="prepare_data, rollout, label_rewards, compute_advantages or train")
     rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
-    add("runs", "list runs and their iterations")
+    add("runs", "list runs: status (running, finished, failed, killed), iterations done, last dev EM, algorithm")
     sub.add_parser("configs", help="list the configs shipped with the package (usable as --config NAME)",
                    description="list the configs shipped with the package (usable as --config NAME)")
     _add_eval(add("eval", "evaluate methods of a run over a dataset split: EM and F1, mean ± std over seeds"))
@@ -242,14 +242,21 @@ def _rerun(args: argparse.Namespace) -> int:
 
 def _runs(args: argparse.Namespace) -> int:
     from agent_core.io.layout import DataRoot
+    from agent_core.io.run_status import run_status
 
     root = DataRoot(Path(args.data_root or DEFAULT_DATA_ROOT))
     run_ids = root.run_ids()
     if not run_ids:
         print(f"agentr1: no runs under {root.runs_dir}")
-    for run_id in run_ids:
-        iterations = sorted(p.name for p in root.run(run_id).run_dir.glob("iteration=*"))
-        print(f"{run_id}: {len(iterations)} iterations")
+        return 0
+    rows = [run_status(root.run(run_id)) for run_id in run_ids]
+    width = max(len("run"), *(len(r.run_id) for r in rows))
+    print(f"{'run':<{width}}  {'status':<8}  {'iterations':>10}  {'dev EM':>6}  algorithm")
+    for r in rows:
+        planned = "?" if r.iterations_planned is None else str(r.iterations_planned)
+        dev = "-" if r.last_dev_em != r.last_dev_em else f"{r.last_dev_em:.3f}"  # nan: not evaluated yet
+        line = f"{r.run_id:<{width}}  {r.status:<8}  {f'{r.iterations_done}/{planned}':>10}  {dev:>6}  {r.algorithm}"
+        print(line + (f"  ({r.detail})" if r.detail else ""))
     return 0
 
 

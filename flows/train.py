@@ -22,7 +22,7 @@ from tasks.init_policy import init_critic, init_policy
 from tasks.label_rewards import label_rewards
 from tasks.prepare_data import DatasetUris, prepare_data, prepare_dataset
 from tasks.rollout import rollout
-from tasks.run_config import record_config, writing_run
+from tasks.run_config import record_config, recording_end, writing_run
 from tasks.track import finish_tracking, log_iteration, start_tracking
 from tasks.train import train_policy
 from tasks.warm_start import oracle_episodes, warm_start
@@ -77,7 +77,7 @@ def train(config: PipelineConfig) -> TrainResult:
     if config.run_id is None:  # e.g. a scheduled deployment: every run gets its own id
         config = config.model_copy(update={"run_id": new_run_id()})
     try:
-        with writing_run(DataRoot(Path(config.data_root)).run(config.run_id)) as run:
+        with writing_run(DataRoot(Path(config.data_root)).run(config.run_id)) as run, recording_end(run):
             return _train(run, config)
     finally:
         shutdown_engines()  # vLLM servers stay warm between iterations, not after the run

@@ -10,6 +10,7 @@ from agent_core.config import PipelineConfig
 from agent_core.io.config_files import save_config
 from agent_core.io.layout import RunLayout
 from agent_core.io.locks import run_lock, sweep_temporaries
+from agent_core.io.run_status import record_run_end
 from agent_core.validation import load_config
 from tasks._common import stage_logger, stage_task
 
@@ -24,6 +25,19 @@ def writing_run(run: RunLayout) -> Iterator[RunLayout]:
             stage_logger("resume").info("run %s: removed %d unfinished temporaries of an interrupted writer: %s",
                                         run.run_id, len(removed), ", ".join(str(p) for p in removed[:5]))
         yield run
+
+
+@contextmanager
+def recording_end(run: RunLayout) -> Iterator[None]:
+    """Record how the block ended in the run's status: finished, or failed with its error (`agentr1
+    runs` shows it); a process killed inside the block records nothing, which reads as killed."""
+    try:
+        yield
+    except Exception as error:
+        first_line = (str(error).splitlines() or [""])[0]
+        record_run_end(run, "failed", f"{type(error).__name__}: {first_line}")
+        raise
+    record_run_end(run, "finished")
 
 
 @stage_task(name="record_config")

@@ -84,6 +84,14 @@ def test_relogging_an_iteration_adds_no_metric_point(trained):
     assert client.get_metric_history(result.mlflow_run_id, "value_loss") == []
 
 
+def test_cli_runs_shows_the_finished_run(trained, capsys):
+    config, result, root = trained
+    assert cli_main(["runs", "--data-root", str(root.path)]) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("e2e "))
+    assert row[:3] == ["e2e", "finished", f"{config.iterations}/{config.iterations}"]
+    assert float(row[3]) == pytest.approx(result.iterations[-1].dev_em, abs=5e-4) and row[4] == "grpo"
+
+
 def test_rerun_one_stage_rewrites_only_its_table(trained):
     _, _, root = trained
     run = root.run("e2e")

@@ -144,6 +144,11 @@ class RunLayout:
     def lock_path(self) -> Path:
         return self.run_dir / ".lock"
 
+    @property
+    def status_path(self) -> Path:
+        """How the run's last training process ended (agent_core/io/run_status.py)."""
+        return self.run_dir / "status.json"
+
     def last_checkpoint_dir(self) -> Path | None:
         """The checkpoint of the highest iteration that has one (None before the first is saved)."""
         iterations = sorted(

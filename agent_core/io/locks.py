@@ -58,6 +58,20 @@ def run_lock(lock_path: str | os.PathLike, run_id: str) -> Iterator[None]:
         handle.close()  # closing the descriptor releases the flock
 
 
+def lock_is_held(lock_path: str | os.PathLike) -> bool:
+    """Whether a live process holds the lock at `lock_path` (False when there is no lock file)."""
+    lock_path = Path(lock_path)
+    if not lock_path.is_file():
+        return False
+    with open(lock_path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
 def sweep_temporaries(directory: str | os.PathLike) -> list[Path]:
     """Remove the hidden temporaries of killed writers under `directory`; the paths removed.
 
