@@ -254,7 +254,7 @@ def _runs(args: argparse.Namespace) -> int:
     print(f"{'run':<{width}}  {'status':<8}  {'iterations':>10}  {'dev EM':>6}  algorithm")
     for r in rows:
         planned = "?" if r.iterations_planned is None else str(r.iterations_planned)
-        dev = "-" if r.last_dev_em != r.last_dev_em else f"{r.last_dev_em:.3f}"  # nan: not evaluated yet
+        dev = "-" if math.isnan(r.last_dev_em) else f"{r.last_dev_em:.3f}"  # nan: not evaluated yet
         line = f"{r.run_id:<{width}}  {r.status:<8}  {f'{r.iterations_done}/{planned}':>10}  {dev:>6}  {r.algorithm}"
         print(line + (f"  ({r.detail})" if r.detail else ""))
     return 0

@@ -149,12 +149,14 @@ class RunLayout:
         """How the run's last training process ended (agent_core/io/run_status.py)."""
         return self.run_dir / "status.json"
 
+    def iterations(self) -> list[int]:
+        """The iterations that have a folder, in order."""
+        return sorted(int(p.name.removeprefix("iteration=")) for p in self.run_dir.glob("iteration=*")
+                      if p.name.removeprefix("iteration=").isdigit())
+
     def last_checkpoint_dir(self) -> Path | None:
         """The checkpoint of the highest iteration that has one (None before the first is saved)."""
-        iterations = sorted(
-            int(p.name.removeprefix("iteration=")) for p in self.run_dir.glob("iteration=*")
-            if p.name.removeprefix("iteration=").isdigit() and (p / "checkpoint").is_dir()
-        )
+        iterations = [k for k in self.iterations() if self.checkpoint_dir(k).is_dir()]
         return self.checkpoint_dir(iterations[-1]) if iterations else None
 
     def dev_eval_uri(self, iteration: int | None) -> str:

@@ -49,9 +49,7 @@ def _recorded(run: RunLayout) -> tuple[str | None, str | None]:
 
 def run_status(run: RunLayout) -> RunStatus:
     config = yaml.safe_load(run.config_path.read_text()) if run.config_path.is_file() else None
-    iterations = sorted(int(p.name.removeprefix("iteration=")) for p in run.run_dir.glob("iteration=*")
-                        if p.name.removeprefix("iteration=").isdigit())
-    done = [k for k in iterations if run.manifest_path("log_iteration", k).is_file()]
+    done = [k for k in run.iterations() if run.manifest_path("log_iteration", k).is_file()]
     dev = [eval_scores(run.dev_eval_uri(k))[0] for k in done]
     dev = [em for em in dev if not math.isnan(em)]
     recorded, detail = _recorded(run)

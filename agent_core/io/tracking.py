@@ -18,9 +18,9 @@ Differences from the plain MLflow recipes:
 
 from __future__ import annotations
 
+import math
 import os
 import posixpath
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass

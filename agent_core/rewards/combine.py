@@ -47,6 +47,12 @@ def process_scale(process: Sequence[Sequence[float]], normalize: str) -> float:
     return 1.0 / largest if largest > 0 else 1.0
 
 
+def process_factor(process: Sequence[Sequence[float]], *, process_weight: float, normalize: str) -> float:
+    """What every process reward of the batch is multiplied by in the combined reward: the weight
+    times the normalizer's scale (the rewards table stores it as `process_factor`)."""
+    return process_weight * process_scale(process, normalize)
+
+
 def combine_rewards(
     process: Sequence[Sequence[float]],
     outcome: Sequence[Sequence[float]],
@@ -60,8 +66,8 @@ def combine_rewards(
     may be non-zero on an episode's last step only. normalize: one of PROCESS_NORMALIZERS.
     """
     _check_shapes(process, outcome)
-    scale = process_scale(process, normalize)
+    factor = process_factor(process, process_weight=process_weight, normalize=normalize)
     return [
-        [float(o) + process_weight * scale * float(p) for p, o in zip(process_steps, outcome_steps)]
+        [float(o) + factor * float(p) for p, o in zip(process_steps, outcome_steps)]
         for process_steps, outcome_steps in zip(process, outcome)
     ]

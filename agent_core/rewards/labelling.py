@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from agent_core.episodes import episodes_from_rows
-from agent_core.rewards.combine import combine_rewards, process_scale
+from agent_core.rewards.combine import combine_rewards, process_factor
 from agent_core.rewards.scorers import SCORERS, Score
 
 
@@ -92,7 +92,7 @@ def label_steps(
     process = [[s.env_reward for s in e.steps] for e in episodes]
     outcome = [[scores[s.episode_id, s.step_idx].outcome if s.done else 0.0 for s in e.steps] for e in episodes]
     combined = combine_rewards(process, outcome, process_weight=process_weight, normalize=process_norm)
-    factor = process_weight * process_scale(process, process_norm)
+    factor = process_factor(process, process_weight=process_weight, normalize=process_norm)
     records = []
     for episode, episode_outcomes, episode_rewards in zip(episodes, outcome, combined):
         for step, step_outcome, reward in zip(episode.steps, episode_outcomes, episode_rewards):
