@@ -15,11 +15,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from agent_core.config_errors import ConfigError, Problem, config_error, validation_problems
 from agent_core.plugins import PluginError, load_plugins
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot be loaded; the message names the key and the valid choices."""
+__all__ = ["ConfigError"]  # re-exported: callers catch it from here
 
 
 class _Section(BaseModel):
@@ -337,19 +336,23 @@ MOVED_KEYS = {
 }
 
 
-def _check_keys(model: type[BaseModel], data: Any, prefix: str = "") -> None:
-    """Fail on unknown keys with the valid keys listed (pydantic alone does not list them)."""
+def _check_keys(model: type[BaseModel], data: Any, prefix: str = "") -> list[Problem]:
+    """Unknown keys, each with the valid keys at its level listed (pydantic alone does not list them)."""
     if not isinstance(data, dict):
-        return
+        return []
     fields = model.model_fields
+    problems = []
     for key, value in data.items():
         if key not in fields:
             moved = MOVED_KEYS.get(f"{prefix}{key}")
             hint = f" (it moved to '{moved}': rewards are combined once, at labelling)" if moved else ""
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}; valid keys here: {', '.join(fields)}")
+            problems.append(Problem(f"{prefix}{key}", f"unknown config key '{prefix}{key}'{hint}; valid keys here: "
+                                                      f"{', '.join(fields)}"))
+            continue
         annotation = fields[key].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            _check_keys(annotation, value, f"{prefix}{key}.")
+            problems += _check_keys(annotation, value, f"{prefix}{key}.")
+    return problems
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -365,16 +368,25 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[leaf] = yaml.safe_load(raw)
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem", None) or "not valid YAML"
+            raise ConfigError(f"override {item!r}: its value is not valid YAML ({where}); quote the whole "
+                              "--set for the shell, e.g. --set 'rollout.env_kwargs={tools: [search]}'") from None
     return data
 
 
-def parse_config(data: dict[str, Any], source: str = "config") -> PipelineConfig:
+def parse_config(data: dict[str, Any], source: str = "config", overrides: list[str] | None = None) -> PipelineConfig:
     """Validate `data` against the config models: keys, types and ranges; plugins are loaded. Registry
-    names are not checked here: a config for a run comes from `agent_core.validation`, which does."""
-    _check_keys(PipelineConfig, data)
+    names are not checked here: a config for a run comes from `agent_core.validation`, which does.
 
+    An error names the layer that set the bad value: one of `overrides` (the `--set` items applied to
+    `data`), else `source`."""
+    problems = _check_keys(PipelineConfig, data)
+    if problems:
+        raise config_error(problems, source, overrides or [])
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(f"invalid {source}:\n{error}") from None
+        raise config_error(validation_problems(error), source, overrides or []) from None

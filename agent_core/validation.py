@@ -13,26 +13,35 @@ parsing, then `check_names`; the training flow checks the config it is handed as
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
 from agent_core.algos.estimator_core import ADVANTAGE_ESTIMATORS, estimator_ignores_advantage_mask
 from agent_core.algos.kl import KL_ESTIMATORS
 from agent_core.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES
-from agent_core.config import AlgorithmConfig, ConfigError, PipelineConfig, RolloutConfig, parse_config
+from agent_core.config import AlgorithmConfig, PipelineConfig, RolloutConfig, parse_config
+from agent_core.config_errors import Problem, config_error
 from agent_core.envs.formats import FORMATS
 from agent_core.envs.registry import ENVS, check_env_spec, check_tool_entries
+from agent_core.io.checkpoints import CheckpointError, check_checkpoint, policy_source_dir
 from agent_core.io.config_files import config_source, read_config
 from agent_core.registry import Registry, UnknownNameError
 from agent_core.rewards.scorers import SCORERS
 from agent_core.rollout.engines import ENGINES
+from agent_core.rollout.vllm_server import VLLMNotInstalledError, VLLMOptions, vllm_python
+
+# `owner/name`, the shape of a Hugging Face Hub id
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def load_config(paths: str | Path | Sequence[str | Path] | None = None,
-                overrides: list[str] | None = None) -> PipelineConfig:
-    """Read YAML configs with overrides (`agent_core.io.config_files.read_config`), then `check_names`."""
+                overrides: list[str] | None = None, runnable: bool = False) -> PipelineConfig:
+    """Read YAML configs with overrides (`agent_core.io.config_files.read_config`), then `check_names`,
+    and with `runnable` `check_runnable` (for a new run: its policy checkpoint, its engine)."""
     config = read_config(paths, overrides)
-    return check_names(config, config_source(paths))
+    check_names(config, config_source(paths), overrides or [])
+    return check_runnable(config, config_source(paths), overrides or []) if runnable else config
 
 
 def build_config(data: dict[str, Any], source: str = "config") -> PipelineConfig:
@@ -40,10 +49,11 @@ def build_config(data: dict[str, Any], source: str = "config") -> PipelineConfig
     return check_names(parse_config(data, source), source)
 
 
-def check_names(config: PipelineConfig, source: str = "config") -> PipelineConfig:
+def check_names(config: PipelineConfig, source: str = "config", overrides: Sequence[str] = ()) -> PipelineConfig:
     """Return `config` if every name in it is registered; else ConfigError listing each bad key with
-    the valid names. A check that depends on a name (the env's kwargs on the env, the advantage-mask
-    ablation on the estimator) is skipped while that name is unknown, so each mistake is told once."""
+    the valid names (and the `--set` of `overrides` that set it, if one did). A check that depends on a
+    name (the env's kwargs on the env, the advantage-mask ablation on the estimator) is skipped while
+    that name is unknown, so each mistake is told once."""
     problems = [
         *_rollout_problems(config.rollout),
         *_unknown("reward.scorer", SCORERS, config.reward.scorer),
@@ -52,46 +62,89 @@ def check_names(config: PipelineConfig, source: str = "config") -> PipelineConfi
         *_unknown("trainer.policy_loss", POLICY_LOSSES, config.trainer.policy_loss),
     ]
     if problems:
-        raise ConfigError(f"invalid {source}:\n" + "\n".join(problems))
+        raise config_error(problems, source, overrides)
     return config
 
 
-def _unknown(key: str, registry: Registry, name: str) -> list[str]:
+def _unknown(key: str, registry: Registry, name: str) -> list[Problem]:
     try:
         registry.check(name)
     except UnknownNameError as error:
-        return [f"{key}: {error}"]
+        return [Problem(key, str(error))]
     return []
 
 
-def _rollout_problems(cfg: RolloutConfig) -> list[str]:
+def _rollout_problems(cfg: RolloutConfig) -> list[Problem]:
     problems = _unknown("rollout.engine", ENGINES, cfg.engine)
     env_problems = [] if cfg.env is None else _unknown("rollout.env", ENVS, cfg.env)
     return problems + (env_problems or _env_kwargs_problems(cfg))
 
 
-def _env_kwargs_problems(cfg: RolloutConfig) -> list[str]:
+def _env_kwargs_problems(cfg: RolloutConfig) -> list[Problem]:
     """env_kwargs must fit the config's env (keys, tool format, tool names), or, with no env set,
     name registered tools and format (they refine each prompt's own env)."""
     if cfg.env is not None:
         try:
             check_env_spec(cfg.env, cfg.env_kwargs)
         except ValueError as error:
-            return [f"rollout.env_kwargs: {error}"]
+            return [Problem("rollout.env_kwargs", str(error))]
     elif "tools" in cfg.env_kwargs:
         try:
             check_tool_entries(cfg.env_kwargs["tools"], "rollout.env_kwargs")
         except ValueError as error:
-            return [str(error)]
+            return [Problem("rollout.env_kwargs.tools", str(error))]
     if "tool_format" in cfg.env_kwargs:
         return _unknown("rollout.env_kwargs.tool_format", FORMATS, cfg.env_kwargs["tool_format"])
     return []
 
 
-def _algorithm_problems(cfg: AlgorithmConfig) -> list[str]:
+def _algorithm_problems(cfg: AlgorithmConfig) -> list[Problem]:
     estimator = _unknown("algorithm.estimator", ADVANTAGE_ESTIMATORS, cfg.estimator)
     problems = estimator + _unknown("algorithm.kl_estimator", KL_ESTIMATORS, cfg.kl_estimator)
     if not estimator and not cfg.use_advantage_mask and estimator_ignores_advantage_mask(cfg.estimator):
-        problems.append(f"algorithm.use_advantage_mask=false changes nothing for estimator {cfg.estimator!r}: "
-                        "its advantage is the episode's score, a sum of rewards on action tokens either way")
+        problems.append(Problem("algorithm.use_advantage_mask",
+                                f"algorithm.use_advantage_mask=false changes nothing for estimator {cfg.estimator!r}: "
+                                "its advantage is the episode's score, a sum of rewards on action tokens either way"))
     return problems
+
+
+def check_runnable(config: PipelineConfig, source: str = "config", overrides: Sequence[str] = (),
+                   policy_source: bool = True) -> PipelineConfig:
+    """Return `config` if this machine has what it needs to run it; else ConfigError naming the fix.
+
+    Checked before a Prefect server starts or a run folder is made, so a bad path leaves nothing
+    behind: the checkpoint the initial policy is copied from (`policy_source=False` skips it, for a
+    run that has copied it already), and vLLM's virtualenv when the engine is vllm.
+    """
+    problems = _policy_problems(config) if policy_source else []
+    if config.rollout.engine == "vllm":
+        try:
+            vllm_python(VLLMOptions(python=config.rollout.vllm.python))
+        except VLLMNotInstalledError as error:
+            problems.append(Problem("rollout.engine", str(error)))
+    if problems:
+        raise config_error(problems, source, overrides)
+    return config
+
+
+def _policy_problems(config: PipelineConfig) -> list[Problem]:
+    policy = config.policy
+    if policy.source == "path" and not policy.path:
+        return [Problem("policy.path", "policy.source=path needs policy.path: a local transformers checkpoint folder")]
+    directory = policy_source_dir(policy.source, policy.path)
+    if directory is None:
+        return []
+    key = "policy.path" if policy.path else "policy.source"
+    if policy.source == "smollm2" and not directory.exists():
+        return [Problem(key, f"SmolLM2 checkpoint not found at {directory}: run `make smollm2` first "
+                             "(or set policy.path to a converted SmolLM2 folder)")]
+    if not directory.exists() and _HUB_ID.match(str(policy.path)):
+        return [Problem(key, f"{policy.path!r} is not a local folder; it looks like a Hugging Face Hub id, and runs "
+                             "load local checkpoints only (they are offline): download it first, e.g. "
+                             f"`huggingface-cli download {policy.path} --local-dir models/{policy.path.split('/')[-1]}`, "
+                             "and set policy.path to that folder")]
+    try:
+        check_checkpoint(directory)
+    except CheckpointError as error:
+        return [Problem(key, f"{error} (policy.path must be a local transformers checkpoint folder)")]
+    return []

@@ -153,7 +153,7 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"data_root={args.data_root}")
     run_id = args.run_id or new_run_id(args.command)
     configs = [resolve_config(name) for name in args.configs]
-    config = load_config(configs, [*overrides, f"run_id={run_id}"])
+    config = load_config(configs, [*overrides, f"run_id={run_id}"], runnable=True)
     if args.dry_run:  # nothing is started and nothing is written
         print(config.to_yaml(), end="")
         return 0
@@ -161,7 +161,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from agent_core.validation import load_config
+    from agent_core.validation import check_runnable, load_config
     from agent_core.io.layout import DataRoot
 
     data_root = args.data_root or DEFAULT_DATA_ROOT
@@ -170,8 +170,11 @@ def _resume(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"run {args.run_id!r} has no config at {run.config_path}: is the run id right? (a run "
                                 "stopped before it recorded its config has nothing to resume: start it again with "
                                 f"`agentr1 train --run-id {args.run_id}`)")
+    overrides = [*args.overrides, f"data_root={data_root}", f"run_id={args.run_id}"]
+    config = check_runnable(load_config(run.config_path, overrides), str(run.config_path), overrides,
+                            policy_source=not run.initial_policy_dir.exists())
     print(f"agentr1: resuming run {args.run_id}: stages whose manifests match are skipped", flush=True)
-    return _run_training(load_config(run.config_path, [*args.overrides, f"data_root={data_root}", f"run_id={args.run_id}"]))
+    return _run_training(config)
 
 
 def _run_training(config) -> int:

@@ -15,7 +15,7 @@ from agent_core.config import PipelineConfig
 from agent_core.io.layout import DataRoot, RunLayout, new_run_id
 from agent_core.io.summaries import IterationSummary, eval_scores
 from agent_core.rollout.engines import shutdown_engines
-from agent_core.validation import check_names
+from agent_core.validation import check_names, check_runnable
 from tasks.compute_advantages import compute_advantages
 from tasks.evaluate import dev_eval, run_eval_settings
 from tasks.init_policy import init_critic, init_policy
@@ -76,6 +76,8 @@ def train(config: PipelineConfig) -> TrainResult:
     check_names(config)
     if config.run_id is None:  # e.g. a scheduled deployment: every run gets its own id
         config = config.model_copy(update={"run_id": new_run_id()})
+    # a missing checkpoint or engine fails before the run folder exists (unless the run copied its policy already)
+    check_runnable(config, policy_source=not DataRoot(Path(config.data_root)).run(config.run_id).initial_policy_dir.exists())
     try:
         with writing_run(DataRoot(Path(config.data_root)).run(config.run_id)) as run, recording_end(run):
             return _train(run, config)

@@ -11,7 +11,7 @@ from agent_core.types import Document
 from agent_core.envs.formats import FORMATS, ParsedCall
 from agent_core.envs.registry import EnvResources, env_kwarg_names, make_env
 from agent_core.envs.search import Bm25Index
-from agent_core.io.checkpoints import load_policy, save_critic, save_policy
+from agent_core.io.checkpoints import load_policy, policy_source_dir, save_critic, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table
@@ -20,7 +20,6 @@ from agent_core.training.model import build_tiny_policy, build_tokenizer, count_
 from agent_core.training.pretrain import induction_pretrain
 from tasks._common import DatasetUris, completed_outputs, stage_logger, stage_task
 
-DEFAULT_SMOLLM2_DIR = Path("data/models/smollm2-135m-instruct")
 _FIXED_TEXT_WEIGHT = 32  # copies of the tool instructions among the tokenizer's training texts
 
 
@@ -48,7 +47,7 @@ def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig, resu
     """Build (tiny) or copy (path, smollm2) the initial policy into the run; return its directory."""
     log = stage_logger("init_policy")
     target = run.initial_policy_dir
-    source = None if policy.source == "tiny" else (Path(policy.path) if policy.path else DEFAULT_SMOLLM2_DIR)
+    source = policy_source_dir(policy.source, policy.path)
     inputs = {"dataset_prompts": dataset.prompts_uri, "corpus": dataset.corpus_uri} if source is None else {"source": source}
     record = StageRecord(run.manifest_path("init_policy"), "init_policy", inputs=inputs, params={"policy": policy})
     if (done := completed_outputs(record, resume, "initial policy")) is not None:

@@ -29,6 +29,9 @@ from safetensors.torch import load_file, save_file
 
 from agent_core.failpoints import failpoint
 
+# Where `make smollm2` converts SmolLM2-135M-Instruct to (relative to the working directory, as in the Makefile).
+DEFAULT_SMOLLM2_DIR = Path("data/models/smollm2-135m-instruct")
+
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model.bin", "pytorch_model-*.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _GGUF_PIN = "gguf==0.19.0"
@@ -80,6 +83,14 @@ def load_tokenizer(directory: Path):
         expected = ", ".join(_TOKENIZER_FILES)
         raise CheckpointError(f"checkpoint directory {directory} has no tokenizer (one of {expected})")
     return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def policy_source_dir(source: str, path: str | None) -> Path | None:
+    """The checkpoint an initial policy is copied from: `path`, or for smollm2 the folder `make smollm2`
+    writes; None for a tiny policy, which is built from scratch."""
+    if source == "tiny":
+        return None
+    return Path(path) if path else DEFAULT_SMOLLM2_DIR
 
 
 def check_checkpoint(directory: Path) -> Path:

@@ -27,7 +27,7 @@ def read_config(paths: str | Path | Sequence[str | Path] | None = None,
     for path in _paths(paths):
         data = _merge(data, _read(path))
     data = apply_overrides(data, overrides or [])
-    return parse_config(data, source=config_source(paths))
+    return parse_config(data, source=config_source(paths), overrides=overrides)
 
 
 def config_source(paths: str | Path | Sequence[str | Path] | None) -> str:
