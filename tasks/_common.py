@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -23,6 +27,7 @@ from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.failpoints import failpoint
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, write_table
+from agent_core.progress import BarReporter, LogReporter, reporting_to
 from agent_core.rewards.labelling import RewardRecord, StepOutcome, label_steps
 from agent_core.rollout.agent_loop import LoopSettings, run_episodes
 from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
@@ -43,6 +48,39 @@ def stage_logger(name: str) -> logging.Logger | logging.LoggerAdapter:
         return get_run_logger()
     except MissingContextError:
         return logging.getLogger(f"tasks.{name}")
+
+
+# The library's own INFO lines (the agent loop's summary, engine start-up) belong in a stage's log;
+# left at the root's WARNING they were silently dropped.
+if logging.getLogger("agent_core").level == logging.NOTSET:
+    logging.getLogger("agent_core").setLevel(logging.INFO)
+
+PROGRESS_ENV = "AGENTR1_PROGRESS"  # auto (default), bar, log or off
+PROGRESS_MODES = ("auto", "bar", "log", "off")
+PROGRESS_LOG_EVERY_S = 10.0
+
+
+def progress_mode() -> str:
+    """bar on a terminal, log lines otherwise (a worker, CI, a file); $AGENTR1_PROGRESS overrides."""
+    mode = os.environ.get(PROGRESS_ENV, "auto").strip().lower() or "auto"
+    if mode not in PROGRESS_MODES:
+        raise ValueError(f"${PROGRESS_ENV}={mode!r}; valid: {', '.join(PROGRESS_MODES)}")
+    if mode == "auto":
+        return "bar" if sys.stderr.isatty() else "log"
+    return mode
+
+
+@contextmanager
+def stage_progress(name: str, description: str, unit: str) -> Iterator[None]:
+    """Show the progress the library reports inside the block (agent_core.progress) as `description`."""
+    mode = progress_mode()
+    if mode == "off":
+        yield
+        return
+    reporter = (BarReporter(description, unit) if mode == "bar"
+                else LogReporter(stage_logger(name), description, unit, every_s=PROGRESS_LOG_EVERY_S))
+    with reporting_to(reporter):
+        yield
 
 
 def completed_outputs(record: StageRecord, resume: bool, what: str) -> dict[str, str] | None:

@@ -24,6 +24,7 @@ from tasks._common import (
     read_corpus,
     split_prompts,
     stage_logger,
+    stage_progress,
     stage_task,
     vllm_options,
 )
@@ -52,8 +53,9 @@ def evaluate(data_root: str, eval_id: str, method: str, checkpoint: str, dataset
         log.info("%s seed %d: already evaluated (%s)", method, settings.seed, uri)
         return uri
     prompts = split_prompts(dataset, split, limit)
-    em = _evaluate_into(uri, runs_as or method, checkpoint, prompts, read_corpus(dataset.corpus_uri), settings,
-                        eval_id=eval_id, method=method, split=split)
+    with stage_progress("evaluate", f"eval {method} seed {settings.seed}", "prompts"):
+        em = _evaluate_into(uri, runs_as or method, checkpoint, prompts, read_corpus(dataset.corpus_uri), settings,
+                            eval_id=eval_id, method=method, split=split)
     log.info("%s seed %d: %d prompts, EM %.3f -> %s", method, settings.seed, len(prompts), em, uri)
     return uri
 
@@ -84,9 +86,10 @@ def dev_eval(run: RunLayout, iteration: int | None, policy_dir: str, dataset: Da
     if (done := completed_outputs(record, resume, f"{which} dev eval")) is not None:
         return done["eval"]
     prompts = split_prompts(dataset, cfg.split, cfg.prompts)
-    em = _evaluate_into(uri, "agent", policy_dir, prompts, read_corpus(dataset.corpus_uri), settings,
-                        eval_id=f"{run.run_id}-dev-{'start' if iteration is None else iteration}", method="agent",
-                        split=cfg.split)
+    with stage_progress("dev_eval", f"dev eval {which}", "prompts"):
+        em = _evaluate_into(uri, "agent", policy_dir, prompts, read_corpus(dataset.corpus_uri), settings,
+                            eval_id=f"{run.run_id}-dev-{'start' if iteration is None else iteration}", method="agent",
+                            split=cfg.split)
     record.commit({"eval": uri})
     stage_logger("dev_eval").info("%s: %s EM %.3f over %d prompts (policy %s)", which, cfg.split, em, len(prompts),
                                   policy_dir)

@@ -12,7 +12,9 @@ from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, rows_of, write_table
 from agent_core.rollout.engines import ENGINES, close_engine
-from tasks._common import completed_outputs, engine_options, env_of, read_corpus, roll_out, stage_logger, stage_task
+from tasks._common import (
+    completed_outputs, engine_options, env_of, read_corpus, roll_out, stage_logger, stage_progress, stage_task,
+)
 
 
 @stage_task(name="rollout")
@@ -34,8 +36,9 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     tokenizer = load_tokenizer(Path(policy_dir))
     engine = ENGINES.get(cfg.engine)(Path(policy_dir), engine_options(cfg))
     try:
-        records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
-                           policy_version=iteration, episode_prefix=f"{run.run_id}-i{iteration}-")
+        with stage_progress("rollout", f"rollout iteration {iteration}", "episodes"):
+            records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
+                               policy_version=iteration, episode_prefix=f"{run.run_id}-i{iteration}-")
     finally:
         close_engine(engine)
     rows = rows_of(records, run_id=run.run_id, iteration=iteration)  # shallow: asdict deep-copies every token list

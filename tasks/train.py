@@ -36,7 +36,7 @@ from agent_core.training.schedule import make_lr_scheduler, optimizer_step_count
 from agent_core.training.settings import PPOSettings
 from agent_core.training.safety import check_nonfinite_updates, check_savable, nonfinite_streaks, probe_logprobs
 from agent_core.training.trainer import make_optimizer, train_iteration
-from tasks._common import completed_outputs, stage_logger, stage_task
+from tasks._common import completed_outputs, stage_logger, stage_progress, stage_task
 
 _ADVANTAGE_FIELDS = ("advantages", "ref_logprobs", "values", "returns", "obs_advantages", "obs_returns", "obs_values")
 _TRAIN_STEP_FIELDS = [field.name for field in dataclasses.fields(TrainStep)]
@@ -107,9 +107,10 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
     critic = critic_optimizer = None
     if uses_critic:
         critic, critic_optimizer = _critic_and_optimizer(run, iteration, policy_dir, cfg)
-    results = train_iteration(model, optimizer, sequences, PPOSettings.from_config(cfg, algorithm, temperature),
-                              pad_id=tokenizer.pad_token_id, critic=critic, critic_optimizer=critic_optimizer,
-                              scheduler=scheduler, seed=iteration)
+    with stage_progress("train", f"train iteration {iteration}", "micro-batches"):
+        results = train_iteration(model, optimizer, sequences, PPOSettings.from_config(cfg, algorithm, temperature),
+                                  pad_id=tokenizer.pad_token_id, critic=critic, critic_optimizer=critic_optimizer,
+                                  scheduler=scheduler, seed=iteration)
     check_nonfinite_updates(results, iteration=iteration, max_consecutive=cfg.max_consecutive_nonfinite,
                             carried=_nonfinite_streak_before(run, iteration))
     check_savable(model.named_parameters(), iteration=iteration, probe_logprobs=probe_logprobs(

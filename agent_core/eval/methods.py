@@ -35,6 +35,7 @@ from agent_core.envs.search import Bm25Index
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.registry import Registry
 from agent_core.rewards.qa import exact_match, f1_score
+from agent_core.progress import report
 from agent_core.rollout.agent_loop import LoopSettings, run_episodes
 from agent_core.rollout.chat import (
     encode_conversation,
@@ -137,6 +138,7 @@ def naive_rag_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], doc
             )
         contexts.append(ids)
     generations = engine.generate(contexts, settings.sampling(tokenizer))
+    report(len(prompts), total=len(prompts))
     episodes = []
     for prompt, generation in zip(prompts, generations):
         text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)

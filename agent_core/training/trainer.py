@@ -38,6 +38,7 @@ from agent_core.algos.kl import kl_penalty
 from agent_core.algos.losses import POLICY_LOSSES, aggregate_loss, clipped_value_loss, masked_sum
 from agent_core.algos.masks import Masks
 from agent_core.failpoints import failpoint
+from agent_core.progress import report
 from agent_core.training.batches import PaddedBatch, TrainSequence
 from agent_core.training.prepared import Prepared, prepare_update
 from agent_core.training.settings import PPOSettings
@@ -147,8 +148,9 @@ def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared
     return loss.detach()
 
 
-def _micro_batches_skip_reason(prep: Prepared, micro_step) -> str | None:
-    """Forward + backward of every micro-batch; why the step must be skipped, or None."""
+def _micro_batches_skip_reason(prep: Prepared, micro_step, count_progress: bool) -> str | None:
+    """Forward + backward of every micro-batch; why the step must be skipped, or None. Each policy
+    micro-batch is reported as progress (`count_progress`; the critic's pass over the same batches is not)."""
     for batch, masks in zip(prep.batches, prep.masks):
         try:
             batch_loss = micro_step(batch, masks)
@@ -156,11 +158,13 @@ def _micro_batches_skip_reason(prep: Prepared, micro_step) -> str | None:
             return str(skip)
         if not torch.isfinite(batch_loss):
             return f"non-finite loss ({float(batch_loss)}) in a micro-batch"
+        if count_progress:
+            report(1)
     return None
 
 
 def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad_norm,
-                         inputs: tuple[str, ...]) -> tuple[float, str | None]:
+                         inputs: tuple[str, ...], count_progress: bool = True) -> tuple[float, str | None]:
     """Run micro_step over every micro-batch (accumulating gradients), clip, and step unless not finite.
 
     inputs: the batch tensors this module's loss reads; any nan/inf there skips the step before a
@@ -172,7 +176,7 @@ def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad
     optimizer.zero_grad(set_to_none=True)
     grad_norm = math.nan
     try:
-        skip_reason = nonfinite_inputs(prep.batches, inputs) or _micro_batches_skip_reason(prep, micro_step)
+        skip_reason = nonfinite_inputs(prep.batches, inputs) or _micro_batches_skip_reason(prep, micro_step, count_progress)
         if skip_reason is None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             limit = math.inf if max_grad_norm is None else max_grad_norm
@@ -214,7 +218,7 @@ def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_opti
     if critic is not None and prep.value_norms.num_tokens > 0:
         _, reason = _accumulate_and_step(
             critic, critic_optimizer, prep, lambda b, m: _critic_micro_batch(critic, b, m, prep, s, totals),
-            s.max_grad_norm, CRITIC_INPUTS)
+            s.max_grad_norm, CRITIC_INPUTS, count_progress=False)
         vf_loss = math.nan if reason else totals.vf_loss
         reasons += [f"critic: {reason}"] if reason else []
     seconds = time.perf_counter() - started
@@ -300,6 +304,7 @@ def train_iteration(
         sequences = [replace(q, old_logprobs=logprobs) for q, logprobs in zip(sequences, fresh)]
     generator = torch.Generator().manual_seed(seed)
     results = []
+    updates = s.epochs * min(s.mini_batches, len(sequences))
     for _ in range(s.epochs):
         order = torch.randperm(len(sequences), generator=generator)
         for chunk in torch.tensor_split(order, min(s.mini_batches, len(sequences))):
@@ -309,4 +314,5 @@ def train_iteration(
             if scheduler is not None and policy_stepped:
                 scheduler.step()
             results.append(result)
+            report(0, update=f"{len(results)}/{updates}", loss=result.loss)  # micro-batches were counted as they ran
     return results
