@@ -19,7 +19,9 @@ from prefect import flow
 from agent_core.config import DataConfig
 from agent_core.eval.methods import EVAL_METHODS, EvalSettings
 from agent_core.io.layout import DataRoot, RunLayout, check_id, new_run_id
+from agent_core.io.model_registry import is_model_uri, registered_checkpoint
 from agent_core.rollout.engines import shutdown_engines
+from flows.environment import quiet_progress_bars
 from tasks.evaluate import evaluate, log_eval, publish_eval_report, settings_params, write_eval_report
 from tasks.prepare_data import DatasetUris, prepare_dataset
 
@@ -35,15 +37,22 @@ class EvalResult:
     artifact_key: str
 
 
-def run_checkpoints(run: RunLayout, methods: Sequence[str], checkpoint: str | None = None) -> dict[str, str]:
+def run_checkpoints(run: RunLayout, methods: Sequence[str], checkpoint: str | None = None,
+                    tracking_uri: str | None = None) -> dict[str, str]:
     """Which policy each method runs with: naive_rag and base_tool_call the policy RL started from
-    (the warm-started one if the run has it, else the initial policy); agent `checkpoint`, or the
+    (the warm-started one if the run has it, else the initial policy); agent `checkpoint` (a
+    directory, or a registered version: models:/<name>/<version> or models:/<name>@<alias>, looked
+    up in `tracking_uri`, default the data root's store, and downloaded under the data root), or the
     run's last checkpoint."""
     chosen = {}
     for method in methods:
         EVAL_METHODS.check(method)
         if method == "agent":
-            last = Path(checkpoint) if checkpoint else run.last_checkpoint_dir()
+            if is_model_uri(checkpoint):
+                root = DataRoot(run.data_root)
+                last = registered_checkpoint(checkpoint, tracking_uri or root.mlflow_tracking_uri, root.path)
+            else:
+                last = Path(checkpoint) if checkpoint else run.last_checkpoint_dir()
             if last is None:
                 raise FileNotFoundError(f"run {run.run_id!r} has no checkpoint yet under {run.run_dir}; pass --checkpoint")
             chosen[method] = str(last)
@@ -91,6 +100,7 @@ def evaluate_methods(
     trained checkpoints as {"grpo": "agent", "ppo": "agent"}); the eval table's `method` column
     holds the label.
     """
+    quiet_progress_bars()  # a worker's flow run never went through configure_environment
     try:
         return _evaluate_methods(data_root, checkpoints, methods, data, dataset, split, seeds, settings, limit,
                                  eval_id, tracking_uri, method_of)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from agent_core.io.model_registry import model_checkpoint_dir
 from agent_core.io.tracking import (
     MAX_PARAM_VAL_LENGTH,
     RUN_ID_TAG,
@@ -38,6 +39,7 @@ def _checkpoint(tmp_path: Path, name: str, payload: bytes) -> Path:
     directory.mkdir()
     (directory / "model.safetensors").write_bytes(payload)
     (directory / "config.json").write_text('{"hidden_size": 8}')
+    (directory / "tokenizer.json").write_text("{}")  # registering copies files; it loads nothing
     return directory
 
 
@@ -130,7 +132,9 @@ def test_register_checkpoint_is_idempotent_and_numbers_iterations(tracker: Track
     ]
     for registered, payload in ((v0, b"weights-0"), (v1, b"weights-1")):
         assert registered.source.endswith(f"checkpoints/iteration={registered.version - 1}")
-        on_disk = Path(registered.source.removeprefix("file://"))
+        model_dir = Path(registered.source.removeprefix("file://"))
+        assert (model_dir / "MLmodel").is_file()  # a loadable MLflow model, the checkpoint its artifact
+        on_disk = model_checkpoint_dir(model_dir)
         assert (on_disk / "model.safetensors").read_bytes() == payload
         assert (on_disk / "config.json").is_file()
 

@@ -10,9 +10,10 @@ the same pipeline run id and gets the same MLflow run back (found by the tag `ag
 `register_checkpoint` for an iteration that is already registered returns the existing version.
 
 Differences from the plain MLflow recipes:
-- `mlflow.register_model("runs:/...")` fails in MLflow 3 for a directory of plain artifacts (it
-  expects a logged MLflow model), so a checkpoint is registered with `create_model_version`,
-  pointing `source` at the artifact URI of the logged directory.
+- A checkpoint is saved as an MLflow model (`agent_core/io/model_registry.py`) and logged as the
+  run's artifacts under a fixed path, then registered with `create_model_version` pointing
+  `source` at that artifact URI; not with `log_model` + `register_model`, which would create a
+  second logged model when a run killed between the two is resumed.
 - Parameter values longer than MLflow's limit are cut (with a visible marker) instead of failing.
 """
 
@@ -21,23 +22,14 @@ from __future__ import annotations
 import math
 import os
 import posixpath
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
-
-def mlflow_env() -> None:
-    """Default MLflow settings for this project; values the user has already set win.
-
-    Called before `mlflow` is imported, because MLflow reads some of them at import time.
-    """
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-
-
-mlflow_env()
-
+from agent_core.io.mlflow_env import mlflow_env  # noqa: F401  (first: it sets MLflow's environment)
 from mlflow.entities import Metric, Param, RunTag, ViewType  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -49,11 +41,16 @@ from mlflow.utils.validation import (  # noqa: E402
 )
 
 from agent_core.failpoints import failpoint  # noqa: E402
+from agent_core.io.model_registry import (  # noqa: E402
+    ITERATION_TAG,
+    RUN_ID_TAG,
+    refresh_aliases,
+    save_policy_model,
+    version_tags,
+)
 
 Scalar = Union[str, int, float, bool, None]
 
-RUN_ID_TAG = "agentr1.run_id"
-ITERATION_TAG = "iteration"
 CHECKPOINT_ARTIFACT_DIR = "checkpoints"
 TRUNCATION_MARKER = "...[truncated]"
 END_STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -65,11 +62,17 @@ class TrackingError(ValueError):
 
 @dataclass(frozen=True)
 class RegisteredModel:
-    """One registered version of a checkpoint: `source` is the artifact URI it was created from."""
+    """One registered version of a checkpoint: `source` is the artifact URI of the logged MLflow
+    model it was created from (the checkpoint is its `artifacts/checkpoint`)."""
 
     name: str
     version: int
     source: str
+
+    @property
+    def uri(self) -> str:
+        """What `mlflow.pyfunc.load_model` and `agentr1 eval --checkpoint` take."""
+        return f"models:/{self.name}/{self.version}"
 
 
 def flatten_params(config: Mapping[str, object], prefix: str = "") -> dict[str, Scalar]:
@@ -272,27 +275,38 @@ class Tracker:
     # ---- checkpoints ------------------------------------------------------------------------
 
     def register_checkpoint(
-        self, mlflow_run_id: str, checkpoint_dir: Path, model_name: str, iteration: int
+        self, mlflow_run_id: str, checkpoint_dir: Path, model_name: str, iteration: int,
+        dev_em: float | None = None, algorithm: str | None = None,
     ) -> RegisteredModel:
-        """Log `checkpoint_dir` under "checkpoints/iteration=<k>" and register it as a version of
-        `model_name`, tagged iteration=<k>. Returns the existing version if this run already
-        registered this iteration (a resumed flow), so versions are never duplicated."""
+        """Log `checkpoint_dir` as an MLflow model under "checkpoints/iteration=<k>" and register it
+        as a version of `model_name`, tagged with the pipeline run id, iteration=<k>, `dev_em` (if
+        finite) and `algorithm`; then point the alias `best` (model_registry.py; `latest` is MLflow's).
+        Returns the existing version if this run already registered this iteration (a resumed
+        flow), so versions are never duplicated."""
         if "'" in model_name:
             raise TrackingError(f"model name {model_name!r} must not contain a single quote")
-        existing = self.find_checkpoint(mlflow_run_id, model_name, iteration)
-        if existing is not None:
-            return existing
-        checkpoint_dir = Path(checkpoint_dir)
+        registered = self.find_checkpoint(mlflow_run_id, model_name, iteration)
+        if registered is None:
+            registered = self._log_and_register(mlflow_run_id, Path(checkpoint_dir), model_name, iteration,
+                                                dev_em, algorithm)
+        refresh_aliases(self.client, model_name)
+        return registered
+
+    def _log_and_register(self, mlflow_run_id: str, checkpoint_dir: Path, model_name: str, iteration: int,
+                          dev_em: float | None, algorithm: str | None) -> RegisteredModel:
         if not checkpoint_dir.is_dir():
             raise TrackingError(f"checkpoint of iteration {iteration} not found: {checkpoint_dir} is not a directory")
         artifact_path = f"{CHECKPOINT_ARTIFACT_DIR}/iteration={int(iteration)}"
-        self.client.log_artifacts(mlflow_run_id, str(checkpoint_dir), artifact_path)
+        # The same artifact path every time: a rerun after a kill overwrites what the killed run logged.
+        with tempfile.TemporaryDirectory(prefix="agentr1-model-") as staging:
+            model_dir = save_policy_model(checkpoint_dir, Path(staging) / "model")
+            self.client.log_artifacts(mlflow_run_id, str(model_dir), artifact_path)
         self._ensure_registered_model(model_name)
         failpoint("tracking:checkpoint_artifacts_logged")
-        source = posixpath.join(self.client.get_run(mlflow_run_id).info.artifact_uri, artifact_path)
-        version = self.client.create_model_version(
-            model_name, source=source, run_id=mlflow_run_id, tags={ITERATION_TAG: str(int(iteration))}
-        )
+        run = self.client.get_run(mlflow_run_id)
+        source = posixpath.join(run.info.artifact_uri, artifact_path)
+        tags = version_tags(run.data.tags.get(RUN_ID_TAG, ""), iteration, dev_em, algorithm)
+        version = self.client.create_model_version(model_name, source=source, run_id=mlflow_run_id, tags=tags)
         return RegisteredModel(name=model_name, version=int(version.version), source=version.source)
 
     def find_checkpoint(self, mlflow_run_id: str, model_name: str, iteration: int) -> RegisteredModel | None:
@@ -305,8 +319,12 @@ class Tracker:
         return RegisteredModel(name=model_name, version=int(first.version), source=first.source)
 
     def _ensure_registered_model(self, model_name: str) -> None:
+        description = (f"Policy checkpoints of MLflow experiment {self.experiment_name!r}, one version per training "
+                       f"iteration. Load one with mlflow.pyfunc.load_model('models:/{model_name}@latest') "
+                       "(aliases: latest = the newest iteration of the run that registered last, best = the "
+                       "highest dev EM); evaluate one with agentr1 eval --checkpoint models:/NAME/VERSION.")
         try:
-            self.client.create_registered_model(model_name)
+            self.client.create_registered_model(model_name, description=description)
         except MlflowException as error:
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise

@@ -1,0 +1,251 @@
+"""Registered policies as MLflow models (docs/architecture.md §8): what a checkpoint becomes when it
+is logged, the aliases and tags of its versions, and the way back from a `models:/` URI to a
+checkpoint directory the pipeline's loaders read.
+
+A logged checkpoint is an MLflow pyfunc model saved from code (`policy_pyfunc.py`, copied into
+the model) whose one artifact is the checkpoint directory, so
+`mlflow.pyfunc.load_model("models:/<name>@latest").predict(...)` generates text and
+`mlflow models serve` serves it. The transformers flavor was the first choice, but MLflow 3.17's
+support stops at transformers 5.17: saving from a checkpoint directory fails on 5.23, and saving a
+pipeline re-serialises the model and looks for a model card on the Hub.
+
+The model is saved with `save_model` into a temporary folder and logged as plain artifacts of the
+run by the caller, not with `log_model`: that keeps to the explicit client (no active run), and a
+rerun after a kill overwrites the same artifact path instead of creating a second logged model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterable
+from importlib.metadata import PackageNotFoundError, version as package_version
+from pathlib import Path
+
+from agent_core.io.mlflow_env import mlflow_env  # noqa: F401  (first: it sets MLflow's environment)
+from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from agent_core.io.checkpoints import check_checkpoint  # noqa: E402
+
+RUN_ID_TAG = "agentr1.run_id"
+ITERATION_TAG = "iteration"
+DEV_EM_TAG = "dev_em"
+ALGORITHM_TAG = "algorithm"
+LATEST_ALIAS = "latest"
+BEST_ALIAS = "best"
+CHECKPOINT_ARTIFACT = "checkpoint"  # the name of the checkpoint directory in the model's artifacts
+MODEL_CODE = Path(__file__).with_name("policy_pyfunc.py")
+_REQUIREMENTS = ("mlflow", "torch", "transformers")
+_MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>[^/@]+)|@(?P<alias>[^/@]+))/?$")
+_CACHE_RECORD = "registered_model.json"
+
+
+class ModelRegistryError(ValueError):
+    """A registered model, version or alias that does not exist; the message names what does."""
+
+
+def is_model_uri(location: str | None) -> bool:
+    return bool(location) and str(location).startswith("models:/")
+
+
+def _requirements() -> list[str]:
+    """Pinned to what saved the model; a local build label (torch's `+cpu`) is no pip version."""
+    pins = []
+    for name in _REQUIREMENTS:
+        try:
+            pins.append(f"{name}=={package_version(name).split('+')[0]}")
+        except PackageNotFoundError:
+            pins.append(name)
+    return pins
+
+
+def _signature():
+    """No input schema (prompts come as strings, conversations or records, see policy_pyfunc.py),
+    one string out per prompt, and the generation params a caller may set per request."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, DataType, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=None,
+        outputs=Schema([ColSpec(DataType.string)]),
+        params=ParamSchema([
+            ParamSpec("max_new_tokens", DataType.long, 128),
+            ParamSpec("temperature", DataType.double, 0.0),
+            ParamSpec("top_p", DataType.double, 1.0),
+        ]),
+    )
+
+
+def save_policy_model(checkpoint_dir: Path, path: Path) -> Path:
+    """Save the checkpoint at `checkpoint_dir` as an MLflow pyfunc model in `path` (which must not
+    exist); the checkpoint lands in `path/artifacts/checkpoint`. Nothing is loaded: no weights are
+    read and no input example is run, so this costs a file copy."""
+    import mlflow.pyfunc
+
+    checkpoint_dir = check_checkpoint(Path(checkpoint_dir))
+    with warnings.catch_warnings():
+        # Without an input example MLflow warns on every save; an example would load the model just
+        # to save it. (Its once-per-process hint to add type hints to `predict` cannot be filtered
+        # from here, and type hints cannot say "a string, a conversation or records".)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow\.")
+        mlflow.pyfunc.save_model(
+            path=str(path), python_model=str(MODEL_CODE), artifacts={CHECKPOINT_ARTIFACT: str(checkpoint_dir)},
+            signature=_signature(), pip_requirements=_requirements(),
+        )
+    return Path(path)
+
+
+def model_checkpoint_dir(model_dir: Path) -> Path:
+    """The checkpoint directory inside a downloaded model version: the pyfunc model's "checkpoint"
+    artifact, or the directory itself for versions registered as plain checkpoint folders."""
+    model_dir = Path(model_dir)
+    if (model_dir / "MLmodel").is_file():
+        from mlflow.models import Model
+
+        artifacts = Model.load(str(model_dir)).flavors.get("python_function", {}).get("artifacts", {})
+        if CHECKPOINT_ARTIFACT not in artifacts:
+            raise ModelRegistryError(f"the MLflow model in {model_dir} has no {CHECKPOINT_ARTIFACT!r} artifact: "
+                                     "it was not logged by this pipeline")
+        model_dir = model_dir / artifacts[CHECKPOINT_ARTIFACT]["path"]
+    return check_checkpoint(model_dir)
+
+
+# ---- aliases ----------------------------------------------------------------------------------
+
+
+def _dev_em(tags: dict[str, str]) -> float | None:
+    try:
+        value = float(tags[DEV_EM_TAG])
+    except (KeyError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def refresh_aliases(client: MlflowClient, model_name: str) -> dict[str, int]:
+    """Point `best` at the version with the highest dev EM among the model's versions that have one
+    (ties: the later version); returns alias -> version. Derived from the versions each time, so a
+    rerun after a kill repairs it. `latest` needs no setting: MLflow reserves that alias name and
+    resolves models:/<name>@latest to the highest version, i.e. the newest iteration of the run
+    that registered last."""
+    versions = client.search_model_versions(f"name = '{model_name}'")
+    scored = [(em, int(v.version)) for v in versions if (em := _dev_em(v.tags)) is not None]
+    if not scored:
+        return {}
+    best = max(scored)[1]
+    client.set_registered_model_alias(model_name, BEST_ALIAS, str(best))
+    return {BEST_ALIAS: best}
+
+
+def version_tags(run_id: str, iteration: int, dev_em: float | None, algorithm: str | None) -> dict[str, str]:
+    """The tags of a registered version: pipeline run id, iteration, dev EM (when it was evaluated:
+    a finite number) and the advantage estimator."""
+    tags = {RUN_ID_TAG: run_id, ITERATION_TAG: str(int(iteration))}
+    if dev_em is not None and math.isfinite(float(dev_em)):
+        tags[DEV_EM_TAG] = repr(float(dev_em))
+    if algorithm:
+        tags[ALGORITHM_TAG] = str(algorithm)
+    return tags
+
+
+# ---- from a models:/ URI back to a checkpoint --------------------------------------------------
+
+
+def _listing(items: Iterable[str], limit: int = 20) -> str:
+    items = list(items)
+    shown = ", ".join(items[:limit]) or "(none)"
+    return shown + (f" ... ({len(items)} in all)" if len(items) > limit else "")
+
+
+def _lookup(client: MlflowClient, model_uri: str, tracking_uri: str):
+    """The ModelVersion `model_uri` names; ModelRegistryError naming what exists if there is none."""
+    match = _MODEL_URI.match(model_uri)
+    if match is None:
+        raise ModelRegistryError(f"cannot read model URI {model_uri!r}: use models:/<name>/<version> or models:/<name>@<alias>")
+    name, number, alias = match["name"], match["version"], match["alias"]
+    try:
+        registered = client.get_registered_model(name)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        names = sorted(m.name for m in client.search_registered_models(max_results=1000))
+        raise ModelRegistryError(f"no registered model {name!r} in {tracking_uri}; registered models: {_listing(names)}") from None
+    numbers = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+    if not numbers:
+        raise ModelRegistryError(f"registered model {name!r} has no versions yet")
+    if alias is not None and alias.lower() == LATEST_ALIAS:
+        alias, number = None, numbers[-1]  # MLflow's reserved alias: the highest version
+    if alias is not None:
+        if alias not in registered.aliases:
+            aliases = [f"{a} (version {v})" for a, v in sorted(registered.aliases.items())]
+            raise ModelRegistryError(f"model {name!r} has no alias {alias!r}; its aliases: {_listing(aliases)}")
+        number = registered.aliases[alias]
+    if not str(number).isdigit() or int(number) not in numbers:
+        raise ModelRegistryError(f"model {name!r} has no version {number}; its versions: {_listing(map(str, numbers))}")
+    return client.get_model_version(name, str(int(number)))
+
+
+def _store_exists(tracking_uri: str) -> None:
+    """A missing SQLite store is a wrong data root, not a request to create an empty one (and
+    MLflow would spend seconds migrating a fresh database only to find nothing in it)."""
+    if tracking_uri.startswith("sqlite:///"):
+        path = Path(tracking_uri.removeprefix("sqlite:///"))
+        if not path.is_file():
+            raise FileNotFoundError(f"no MLflow store at {path}: nothing was registered there (is the data root right?)")
+
+
+def _cache_dir(data_root: Path, name: str, number: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)  # a model name may hold characters no folder should
+    return Path(data_root) / "models" / safe / f"version={number}"
+
+
+def registered_checkpoint(model_uri: str, tracking_uri: str, data_root: Path) -> Path:
+    """The checkpoint directory of registered version `model_uri` (models:/<name>/<version> or
+    models:/<name>@<alias>), downloaded once to <data_root>/models/<name>/version=<v>/.
+
+    A version's files never change, so a complete download is reused; it is recorded with the
+    version's source, and a folder that came from another store (same name and number) is
+    replaced. The download lands in a hidden temporary folder and is renamed into place, so a
+    killed download is never mistaken for a complete one."""
+    _store_exists(tracking_uri)
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    found = _lookup(client, model_uri, tracking_uri)
+    target = _cache_dir(data_root, found.name, found.version)
+    record = {"name": found.name, "version": int(found.version), "source": found.source, "run_id": found.run_id}
+    if _cached(target) == record:
+        return model_checkpoint_dir(target)
+    staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    staging.mkdir(parents=True)
+    try:
+        _download(found.source, staging, tracking_uri)
+        (staging / _CACHE_RECORD).write_text(json.dumps(record, indent=1))
+        model_checkpoint_dir(staging)  # fail before the rename if the version holds no checkpoint
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return model_checkpoint_dir(target)
+
+
+def _cached(target: Path) -> dict | None:
+    try:
+        return json.loads((target / _CACHE_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _download(source: str, staging: Path, tracking_uri: str) -> None:
+    """Copy the version's files into `staging` itself (MLflow downloads into a subfolder named
+    after the source's last path component)."""
+    import mlflow.artifacts
+
+    fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(staging / "download"),
+                                                       tracking_uri=tracking_uri))
+    for item in fetched.iterdir():
+        item.rename(staging / item.name)
+    shutil.rmtree(staging / "download", ignore_errors=True)
