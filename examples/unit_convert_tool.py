@@ -1,7 +1,7 @@
 """Example: a tool in one file. The guide docs/guides/write-a-tool.md walks through it.
 
-Use it in a run:  agentr1 train --set plugins=[examples.unit_convert_tool] \
-    --set rollout.env=tool_env --set 'rollout.env_kwargs={tools: [unit_convert, calculator]}'
+Use it in a run: the commands of the guide's section 3, from the checkout's root (tests/test_guides.py
+runs them as written).
 """
 
 from typing import Literal

@@ -8,6 +8,7 @@ from pathlib import Path
 import schemas
 from agent_core.config import DataConfig
 from agent_core.data.loaders import load_qa_splits
+from agent_core.data.prompt_files import load_prompt_files
 from agent_core.data.rows import check_table_envs, document_to_row, prompt_to_row
 from agent_core.data.synthetic import SyntheticQA, generate_synthetic_qa
 from agent_core.io.layout import DataRoot, RunLayout
@@ -17,7 +18,9 @@ from tasks._common import DatasetUris, completed_outputs, stage_logger, stage_ta
 
 
 def load_dataset(data: DataConfig) -> SyntheticQA:
-    """The configured dataset: generated (synthetic) or read from its native files."""
+    """The configured dataset: generated (synthetic), your own prompts (jsonl) or read from its native files."""
+    if data.source == "jsonl":
+        return load_prompt_files(dict(data.files), top_k=data.top_k, limit=data.limit)
     if data.source != "synthetic":
         settings = {"top_k": data.top_k, "limit": data.limit}
         if data.source != "musique":

@@ -122,3 +122,55 @@ def test_rag_demonstrations_are_the_naive_rag_prompt_answered_with_the_gold(task
         assert json.loads(record.info)["answer"] == prompt.metadata["oracle_plan"]["answer"]
     rows = [{"run_id": "r", "iteration": 0, **dataclasses.asdict(r)} for r in records]
     write_table("steps", rows, tmp_path / "steps.parquet")  # a valid steps table
+
+
+# ---- the warm start is refused, at config check, where the oracle cannot run ----------------------
+
+_NO_SEARCH = {"rollout": {"env": "tool_env", "env_kwargs": {"tools": ["calculator"], "tool_format": "hermes"}}}
+
+
+def _config_error(data: dict) -> str:
+    from agent_core.config import ConfigError
+    from agent_core.validation import build_config
+
+    with pytest.raises(ConfigError) as raised:
+        build_config(data)
+    return str(raised.value)
+
+
+def test_an_env_without_the_oracles_tools_is_refused_naming_tools_and_fixes():
+    message = _config_error(_NO_SEARCH)
+    assert "rollout.env_kwargs.tools" in message and "calls tool(s) search" in message
+    assert "env 'tool_env' does not have (its tools: calculator)" in message
+    assert "Add search to rollout.env_kwargs.tools" in message and "--set warm_start.enabled=false" in message
+    assert "warm_start.source=steps" in message
+    # the default tool list (calculator) is what the env would get, so it is refused too
+    assert "its tools: calculator" in _config_error({"rollout": {"env": "tool_env"}})
+
+
+def test_an_env_whose_tools_are_unknown_and_a_dataset_without_plans_are_refused():
+    # the env guide's example env: a game without tools (examples/guess_number_env.py)
+    message = _config_error({"plugins": ["examples.guess_number_env"], "rollout": {"env": "guess_number"}})
+    assert "rollout.env" in message and "env 'guess_number' does not say which tools it has" in message
+    assert "--set warm_start.enabled=false" in message
+    message = _config_error({"data": {"source": "musique", "files": {"dev": "d.jsonl"}}})
+    assert "data.source" in message and "only the built-in synthetic task" in message
+
+
+@pytest.mark.parametrize("fix", [
+    {"rollout": {"env": "tool_env", "env_kwargs": {"tools": ["search", "calculator"], "tool_format": "hermes"}}},
+    {"rollout": {"env": "tool_env", "env_kwargs": {"tools": [{"name": "search", "kwargs": {"top_k": 2}}]}}},
+    {**_NO_SEARCH, "warm_start": {"enabled": False}},
+    {**_NO_SEARCH, "warm_start": {"source": "steps", "steps_uri": "/runs/r/warm_start/steps.parquet"}},
+    {"rollout": {"env": "search_qa", "env_kwargs": {"tool_format": "hermes"}}},
+    {},  # the synthetic prompts' own env, search_qa
+])
+def test_the_fixes_pass(fix):
+    from agent_core.validation import build_config
+
+    build_config(fix)
+
+
+def test_a_misspelt_tool_is_told_once_not_as_a_missing_search_too():
+    message = _config_error({"rollout": {"env": "tool_env", "env_kwargs": {"tools": ["serch"]}}})
+    assert "unknown tool 'serch'" in message and "scripted oracle" not in message

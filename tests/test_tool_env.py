@@ -177,3 +177,11 @@ def test_the_episode_budget_is_an_env_kwarg_with_a_default():
     assert all(unlimited.step(_call("echo", text="x")).tool_calls[0].ok for _ in range(40))
     with pytest.raises(ValueError, match="max_tool_calls_per_episode"):
         ToolEnv([echo], "hermes", max_tool_calls_per_episode=-1)
+
+
+def test_an_envs_tools_are_told_from_its_arguments_without_building_it():
+    from agent_core.envs.registry import env_tool_names
+
+    assert env_tool_names("tool_env", {"tools": ["search", {"name": "python", "kwargs": {}}]}) == ("search", "python")
+    assert env_tool_names("tool_env", {}) == ("calculator",)  # the factory's default
+    assert env_tool_names("search_qa", {"top_k": 2}) == ("search",)

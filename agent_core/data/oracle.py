@@ -20,6 +20,11 @@ its episodes are recorded as a true steps table, token for token in the policy's
 - Each action ends with the end-of-turn id (<|im_end|> where the vocabulary has it, else eos),
   log-probs are 0.0 (the oracle is deterministic) and finish_reason "stop"; an action longer than
   max_new_tokens is cut and reported as "length", like a real engine.
+
+`oracle_config_problems(config)` says, when the config is checked (before anything runs), why the
+oracle could not warm-start that run: its plans exist for the synthetic task only, and its episodes
+call `search`, which the rollout's env must have (imitating calls the env cannot run would teach
+the policy to fail).
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ import json
 import re
 from typing import Sequence
 
+from agent_core.config import PipelineConfig
+from agent_core.config_errors import Problem
 from agent_core.data.naive_rag import naive_rag_messages, question_text
 from agent_core.envs.builtin_tools import SearchTool
 from agent_core.envs.formats import ParsedCall, ToolCallFormat, build_format
+from agent_core.envs.registry import check_env_spec, env_tool_names
 from agent_core.envs.search import Bm25Index
 from agent_core.rollout.chat import encode_conversation, eos_token_ids
 from agent_core.rollout.engine import Generation, SamplingParams
@@ -48,6 +56,11 @@ _SEARCH_SPEC = {
     },
 }
 
+
+ORACLE_TOOLS = (SearchTool.name,)  # the tools the oracle's episodes call
+_TASK_ENV = "search_qa"  # the env every prompt of the synthetic task names (agent_core/data/synthetic.py)
+_OTHER_FIXES = ("turn the warm start off (--set warm_start.enabled=false), or imitate the episodes of an earlier "
+                "run instead of the oracle's (--set warm_start.source=steps --set warm_start.steps_uri=<its steps.parquet>)")
 
 _LEADING_SPACE = {"tag": " "}  # formats whose values are free text (JSON values in hermes are not)
 
@@ -86,6 +99,36 @@ def oracle_actions(prompt: Prompt, tool_format: str = "tag", lazy: bool = False)
     lead = _LEADING_SPACE.get(tool_format, "")
     searches = [writer.format_calls([ParsedCall(SearchTool.name, {"query": lead + query})]) for query in queries]
     return [*searches, writer.format_answer(lead + answer)]
+
+
+def oracle_config_problems(config: PipelineConfig) -> list[Problem]:
+    """Why the scripted oracle cannot warm-start a run of `config` ([] if it can, or is not used):
+    its plans are the synthetic task's, and the rollout's env must have the tools its episodes call
+    (ORACLE_TOOLS). An env given by name in `rollout.env` is checked; unset, each synthetic prompt
+    runs in its own env, search_qa. Skipped while the env or its kwargs are invalid: `check_names`
+    reports those, each mistake once."""
+    warm_start, rollout = config.warm_start, config.rollout
+    if not warm_start.enabled or warm_start.source != "oracle":
+        return []
+    if config.data.source != "synthetic":
+        return [Problem("data.source", f"the warm start's scripted oracle solves only the built-in synthetic task "
+                        f"(its plans come from the generated world), not {config.data.source!r}; {_OTHER_FIXES}")]
+    env = rollout.env or _TASK_ENV
+    try:
+        check_env_spec(env, rollout.env_kwargs)
+    except ValueError:
+        return []
+    tools = env_tool_names(env, rollout.env_kwargs)
+    needed = ", ".join(tool for tool in ORACLE_TOOLS if tools is None or tool not in tools)
+    if not needed:
+        return []
+    if tools is None:
+        return [Problem("rollout.env", f"the warm start's scripted oracle calls tool(s) {needed}, and env {env!r} does "
+                        f"not say which tools it has (it takes no `tools` argument); use an env that has {needed} "
+                        f"(e.g. rollout.env=tool_env with {needed} in rollout.env_kwargs.tools), or {_OTHER_FIXES}")]
+    return [Problem("rollout.env_kwargs.tools", f"the warm start's scripted oracle calls tool(s) {needed}, which env "
+                    f"{env!r} does not have (its tools: {', '.join(tools) or '(none)'}): the policy would learn calls "
+                    f"the env cannot run. Add {needed} to rollout.env_kwargs.tools, or {_OTHER_FIXES}")]
 
 
 def question_of(prompt: Prompt) -> str:

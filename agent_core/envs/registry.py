@@ -9,6 +9,7 @@ tool names and tool format the kwargs name, so bad input fails before a rollout 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -68,6 +69,23 @@ def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str
                    tool_error_penalty=tool_error_penalty, tool_timeout_s=tool_timeout_s,
                    max_result_chars=max_result_chars, max_tool_calls_per_episode=max_tool_calls_per_episode,
                    instructions=instructions)
+
+
+# Envs whose tools are fixed by the env, not chosen by a `tools` argument.
+_FIXED_TOOLS: dict[str, tuple[str, ...]] = {"search_qa": ("search",)}
+
+
+def env_tool_names(name: str, kwargs: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The names of the tools env `name` gives the policy with `kwargs`, told without building it:
+    an env that takes `tools` (tool_env) has those (or its default), search_qa has `search`. None
+    for an env whose tools its arguments do not tell (a plugin's env without a `tools` argument)."""
+    if name in _FIXED_TOOLS:
+        return _FIXED_TOOLS[name]
+    if "tools" not in env_kwarg_names(name):
+        return None
+    default = inspect.signature(ENVS.get(name)).parameters["tools"].default
+    entries = kwargs.get("tools", () if default is inspect.Parameter.empty else default)
+    return tuple(str(_tool_entry(entry)[0]) for entry in entries)
 
 
 def env_kwarg_names(name: str) -> list[str]:

@@ -31,16 +31,16 @@ def bm25_terms(text: str) -> list[str]:
 
 
 class Bm25Index:
-    """BM25 (Lucene variant, k1=1.5, b=0.75: the bm25s defaults) over `documents`."""
+    """BM25 (Lucene variant, k1=1.5, b=0.75: the bm25s defaults) over `documents`. An empty corpus
+    (a dataset of your own without documents, whose envs do not search) is an index that finds nothing."""
 
     def __init__(self, documents: Sequence[Document]):
-        if not documents:
-            raise ValueError("Bm25Index needs at least one document; the corpus is empty")
         self._documents = tuple(documents)
         corpus_terms = [bm25_terms(f"{doc.title} {doc.text}") for doc in self._documents]
         self._vocabulary = frozenset(term for terms in corpus_terms for term in terms)
         self._retriever = bm25s.BM25()
-        self._retriever.index(corpus_terms, show_progress=False)
+        if self._documents:
+            self._retriever.index(corpus_terms, show_progress=False)
 
     @property
     def documents(self) -> tuple[Document, ...]:
