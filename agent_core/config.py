@@ -37,9 +37,11 @@ class DataConfig(_Section):
     hotpotqa / 2wikimultihopqa / musique: `files` maps split names (train, dev, test) to native
     files (e.g. {train: hotpot_train_v1.1.json, dev: hotpot_dev_distractor_v1.json}); `setting` is
     HotpotQA / 2Wiki's distractor or fullwiki; `limit` keeps the first N questions of each file.
+    jsonl: your own prompts, `files` maps split names to JSON-lines files of {id, question or
+    messages, answers, env?, metadata?, documents?} (agent_core/data/prompt_files.py).
     """
 
-    source: Literal["synthetic", "hotpotqa", "2wikimultihopqa", "musique"] = "synthetic"
+    source: Literal["synthetic", "hotpotqa", "2wikimultihopqa", "musique", "jsonl"] = "synthetic"
     seed: int = 0
     num_films: int = Field(2000, ge=4)
     num_people: int = Field(2000, ge=4)
@@ -70,7 +72,8 @@ class DataConfig(_Section):
         if self.source != "synthetic" and not self.files:
             raise ValueError(f"data.source={self.source} needs data.files, e.g. {{train: /path/file, dev: /path/file}}")
         if self.source == "synthetic" and self.files:
-            raise ValueError("data.files is for real datasets; set data.source to hotpotqa, 2wikimultihopqa or musique")
+            raise ValueError("data.files is for real datasets; set data.source to hotpotqa, 2wikimultihopqa, musique "
+                             "or jsonl")
         return self
 
 
@@ -274,7 +277,13 @@ class DevEvalConfig(_Section):
 class TrackingConfig(_Section):
     tracking_uri: str | None = Field(None, description="default: sqlite database in the data root")
     experiment: str = "agentr1"
-    model_name: str = "agentr1-policy"
+    model_name: str | None = Field(
+        None, pattern=r"^[^'/@]+$",
+        description="registered model each iteration's checkpoint becomes a version of (a loadable MLflow model; "
+        "aliases `latest` and `best`); default: '<experiment>-policy', one model per experiment")
+
+    def registered_model_name(self) -> str:
+        return self.model_name or f"{self.experiment}-policy"
 
 
 class PipelineConfig(_Section):

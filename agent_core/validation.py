@@ -22,6 +22,7 @@ from agent_core.algos.kl import KL_ESTIMATORS
 from agent_core.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from agent_core.config import AlgorithmConfig, PipelineConfig, RolloutConfig, parse_config
 from agent_core.config_errors import Problem, config_error
+from agent_core.data.oracle import oracle_config_problems
 from agent_core.envs.formats import FORMATS
 from agent_core.envs.registry import ENVS, check_env_spec, check_tool_entries
 from agent_core.io.checkpoints import CheckpointError, check_checkpoint, policy_source_dir
@@ -60,6 +61,7 @@ def check_names(config: PipelineConfig, source: str = "config", overrides: Seque
         *_algorithm_problems(config.algorithm),
         *_unknown("trainer.loss_agg_mode", LOSS_AGG_MODES, config.trainer.loss_agg_mode),
         *_unknown("trainer.policy_loss", POLICY_LOSSES, config.trainer.policy_loss),
+        *oracle_config_problems(config),  # the warm start's oracle fits the data and the env's tools
     ]
     if problems:
         raise config_error(problems, source, overrides)

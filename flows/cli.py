@@ -15,57 +15,16 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
 import time
 from pathlib import Path
 
 from agent_core.io.locks import RunInUseError
-from flows.environment import configure_environment
+from flows.configs_lookup import recorded_config, resolve_config, shipped_configs
+from flows.environment import configure_environment, start_temporary_server
 
 DEFAULT_DATA_ROOT = "data"
-# The top-level configs/ folder ships in the wheel as the package flows.configs (pyproject.toml).
-SHIPPED_CONFIGS_PACKAGE = "flows.configs"
-
-
-def shipped_configs_dir() -> Path | None:
-    """Where the shipped configs are: flows/configs/ of an installed wheel, the checkout's configs/
-    for an editable install or a source checkout (flows/ next to configs/); None if neither."""
-    try:
-        spec = importlib.util.find_spec(SHIPPED_CONFIGS_PACKAGE)
-    except ImportError:
-        spec = None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        if Path(location).is_dir():
-            return Path(location)
-    checkout = Path(__file__).resolve().parent.parent / "configs"
-    return checkout if checkout.is_dir() else None
-
-
-def shipped_configs() -> dict[str, Path]:
-    """Shipped configs by name: the path below the configs folder without `.yaml` (`tiny`, `algos/ppo`)."""
-    folder = shipped_configs_dir()
-    if folder is None:
-        return {}
-    return {path.relative_to(folder).with_suffix("").as_posix(): path for path in sorted(folder.rglob("*.yaml"))}
-
-
-def resolve_config(name: str) -> str:
-    """A config argument as a file path: an existing file as given; else a shipped config named
-    `tiny`, `tiny.yaml`, `algos/ppo` or `configs/tiny.yaml` (the checkout's spelling, which then also
-    works outside the checkout); else unchanged (the loader reports the missing file)."""
-    if Path(name).is_file():
-        return name
-    key = name.removeprefix("configs/").removesuffix(".yaml")
-    shipped = shipped_configs()
-    if key in shipped:
-        print(f"agentr1: using the shipped config {key!r} ({shipped[key]})", flush=True)
-        return str(shipped[key])
-    if shipped and "/" not in name.removeprefix("configs/") and not name.endswith((".yaml", ".yml")):
-        raise FileNotFoundError(f"config {name!r}: no such file and no shipped config of that name; shipped: "
-                                f"{', '.join(shipped)} (`agentr1 configs` lists them with their paths)")
-    return name
 
 
 def _version() -> str:
@@ -130,7 +89,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_eval(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--run-id", required=True, help="the run whose dataset, policies and budgets are evaluated")
-    cmd.add_argument("--checkpoint", default=None, help="policy of the 'agent' method (default: the run's last checkpoint)")
+    which = cmd.add_mutually_exclusive_group()
+    which.add_argument("--checkpoint", default=None,
+                       help="policy of the 'agent' method: a checkpoint folder, or a registered model "
+                            "models:/NAME/VERSION or models:/NAME@ALIAS (@latest, @best) (default: the run's last checkpoint)")
+    which.add_argument("--iteration", type=int, default=None, help="the agent runs the run's checkpoint of this iteration")
     cmd.add_argument("--methods", default="naive_rag,base_tool_call,agent", help="comma-separated eval methods")
     cmd.add_argument("--split", default="test", help="dataset split (default: test)")
     cmd.add_argument("--seeds", type=int, default=3, help="number of seeds, 0..N-1 (default 3)")
@@ -186,6 +149,7 @@ def _run_training(config) -> int:
           flush=True)
     from flows.train import train  # imported after the environment is set: prefect reads it at import
 
+    start_temporary_server()  # dies with this process, even a SIGKILLed one
     started = time.perf_counter()
     result = train(config)
     _print_result(result, config.data_root, time.perf_counter() - started)
@@ -196,7 +160,9 @@ def _print_result(result, data_root: str, seconds: float) -> None:
     print(f"\nagentr1: run {result.run_id} finished in {seconds:.0f}s")
     print(f"  tables:          {result.run_dir}/iteration=*/<table>.parquet")
     print(f"  MLflow store:    {result.tracking_uri} (run {result.mlflow_run_id})")
-    print(f"  registered model: {result.model_name} version {result.model_version} ({result.final_checkpoint})")
+    print(f"  registered model: models:/{result.model_name}/{result.model_version} ({result.final_checkpoint}); "
+          f"load it with mlflow.pyfunc.load_model, evaluate it with agentr1 eval --checkpoint")
+    print(f"  report:          {Path(result.run_dir) / 'report' / 'report.md'} (curves: report/curves/*.png, also in MLflow)")
     print(f"  query:           agentr1 query --data-root {data_root} \"select iteration, count(*), avg(reward) from rewards group by 1 order by 1\"")
     print("\n  iteration  mean reward  train EM  dev EM  steps/episode    loss")
     print(f"  {'start':>9}  {'':>11}  {'':>8}  {_score(result.start_dev_em):>6}")
@@ -237,6 +203,7 @@ def _rerun(args: argparse.Namespace) -> int:
     if not DataRoot(Path(data_root)).run(args.run_id).config_path.is_file():
         raise FileNotFoundError(f"no run {args.run_id!r} under {Path(data_root) / 'runs'} (see `agentr1 runs`)")
     configure_environment(data_root)
+    start_temporary_server()
 
     written = rerun_stage(data_root, args.run_id, args.iteration, args.stage, list(args.overrides))
     print(f"agentr1: reran {args.stage} of run {args.run_id} iteration {args.iteration}: {written}")
@@ -290,28 +257,20 @@ def _first_comment(path: Path) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from agent_core.validation import load_config
-    from agent_core.io.layout import DataRoot
-
     data_root = args.data_root or DEFAULT_DATA_ROOT
     if args.seeds < 1 or (args.limit is not None and args.limit < 1):
         raise ValueError(f"--seeds and --limit must be >= 1, got --seeds {args.seeds} --limit {args.limit}")
-    run = DataRoot(Path(data_root)).run(args.run_id)
-    if not run.config_path.is_file():
-        raise FileNotFoundError(f"run {args.run_id!r} has no config at {run.config_path}: is the run id right?")
-    config = load_config(run.config_path, [f"data_root={data_root}"])
+    recorded_config(data_root, args.run_id)  # a wrong run id fails here, before Prefect starts
     configure_environment(data_root)
-    from flows.eval import evaluate_methods, run_checkpoints
-    from tasks.evaluate import run_eval_settings
+    start_temporary_server()
+    from flows.deployments import evaluate_training_run
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    checkpoints = run_checkpoints(run, methods, args.checkpoint)
     started = time.perf_counter()
-    result = evaluate_methods(
-        data_root, checkpoints, methods, data=config.data, split=args.split, seeds=list(range(args.seeds)),
-        settings=run_eval_settings(config, args.greedy, args.temperature), limit=args.limit, eval_id=args.eval_id,
-        tracking_uri=config.tracking.tracking_uri,
-    )
+    result = evaluate_training_run(data_root, args.run_id, methods, iteration=args.iteration,
+                                   checkpoint=args.checkpoint, split=args.split,
+                                   seeds=args.seeds, limit=args.limit, greedy=args.greedy,
+                                   temperature=args.temperature, eval_id=args.eval_id)
     print(f"\nagentr1: eval {result.eval_id} of run {args.run_id} ({args.split} split) in {time.perf_counter() - started:.0f}s\n")
     print(result.markdown)
     print(f"  report:       {result.report_path}")
@@ -327,6 +286,7 @@ def _experiment(args: argparse.Namespace) -> int:
     exp, config_dir = load_experiment(args.experiment)
     data_root = args.data_root or DEFAULT_DATA_ROOT
     configure_environment(data_root)
+    start_temporary_server()
     from flows.experiment import experiment
 
     command = "agentr1 " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["experiment"] else f"agentr1 experiment --experiment {args.experiment}"

@@ -13,6 +13,7 @@ from prefect import flow
 
 from agent_core.config import PipelineConfig
 from agent_core.io.layout import DataRoot, RunLayout
+from flows.environment import quiet_progress_bars
 from tasks.compute_advantages import compute_advantages
 from tasks.label_rewards import label_rewards
 from tasks.prepare_data import prepare_data, prepare_dataset
@@ -26,6 +27,7 @@ STAGES = ("prepare_data", "rollout", "label_rewards", "compute_advantages", "tra
 @flow(name="agentr1-rerun-stage", log_prints=True)
 def rerun_stage(data_root: str, run_id: str, iteration: int, stage: str, overrides: list[str] | None = None) -> str:
     """Rerun `stage` of `iteration`; return the URI (or checkpoint path) it wrote."""
+    quiet_progress_bars()  # a worker's flow run never went through configure_environment
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; valid stages: {', '.join(STAGES)}")
     run = DataRoot(Path(data_root)).run(run_id)
