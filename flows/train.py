@@ -16,6 +16,7 @@ from agent_core.io.layout import DataRoot, RunLayout, new_run_id
 from agent_core.io.summaries import IterationSummary, eval_scores
 from agent_core.rollout.engines import shutdown_engines
 from agent_core.validation import check_names, check_runnable
+from flows.environment import quiet_progress_bars
 from tasks.compute_advantages import compute_advantages
 from tasks.evaluate import dev_eval, run_eval_settings
 from tasks.init_policy import init_critic, init_policy
@@ -23,7 +24,7 @@ from tasks.label_rewards import label_rewards
 from tasks.prepare_data import DatasetUris, prepare_data, prepare_dataset
 from tasks.rollout import rollout
 from tasks.run_config import record_config, recording_end, writing_run
-from tasks.track import finish_tracking, log_iteration, start_tracking
+from tasks.track import finish_tracking, log_iteration, report_run, start_tracking
 from tasks.train import train_policy
 from tasks.warm_start import oracle_episodes, warm_start
 
@@ -71,6 +72,7 @@ def start_policy(run: RunLayout, config: PipelineConfig) -> tuple[DatasetUris, s
 def train(config: PipelineConfig) -> TrainResult:
     """Train, or resume: with the id of an existing run, every stage whose manifest matches its inputs
     and settings is skipped, and the rest (what a crash cut short, what a changed config touches) runs."""
+    quiet_progress_bars()  # a worker's flow run never went through configure_environment
     # A config may come from anywhere (a deployment's parameters, a Python caller), not only from
     # agent_core.validation's loaders: a misspelt name must fail here, before anything is written.
     check_names(config)
@@ -107,8 +109,10 @@ def _train(run: RunLayout, config: PipelineConfig) -> TrainResult:
                                   config.rollout.temperature, total_steps)
         if _evaluates_after(k, config):
             dev_eval(run, k, policy_dir, dataset, config.dev_eval, eval_settings)
-        reports.append(log_iteration(run, k, tracking, policy_dir, config.tracking.model_name))
+        reports.append(log_iteration(run, k, tracking, policy_dir))
 
+    report_run(run, tracking, [r.summary for r in reports], start_dev_em,
+               f"{reports[-1].model_name} version {reports[-1].model_version}")
     finish_tracking(tracking, config.to_yaml(), {"start_dev_em": start_dev_em})
     return TrainResult(
         run_id=run.run_id, run_dir=str(run.run_dir), tracking_uri=tracking.tracking_uri,

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefect.artifacts import create_markdown_artifact
+
 from agent_core.config import PipelineConfig
+from agent_core.io.atomic import write_text_atomic
 from agent_core.io.layout import RUN_TABLES, DataRoot, RunLayout
 from agent_core.io.manifests import StageRecord, read_manifest
 from agent_core.io.summaries import IterationSummary, iteration_summary
+from agent_core.io.run_report import plot_run_curves, run_table_markdown
 from agent_core.io.tracking import Tracker
 from tasks._common import completed_outputs, stage_logger, stage_task
 
@@ -19,6 +24,8 @@ class TrackingRef:
     artifact_location: str
     experiment: str
     mlflow_run_id: str
+    model_name: str = ""  # the registered model of the run's checkpoints (tracking.registered_model_name())
+    algorithm: str = ""  # the advantage estimator, a tag of every registered version
 
 
 def _tracker(ref: TrackingRef) -> Tracker:
@@ -35,7 +42,8 @@ def start_tracking(run: RunLayout, config: PipelineConfig) -> TrackingRef:
     mlflow_run_id = tracker.start_run(run.run_id, config.flat(), tags={"data_root": str(Path(config.data_root).resolve())},
                                       on_change="tag")
     stage_logger("start_tracking").info("MLflow run %s in experiment %r (%s)", mlflow_run_id, config.tracking.experiment, uri)
-    return TrackingRef(uri, artifacts, config.tracking.experiment, mlflow_run_id)
+    return TrackingRef(uri, artifacts, config.tracking.experiment, mlflow_run_id,
+                       config.tracking.registered_model_name(), config.algorithm.estimator)
 
 
 @dataclass(frozen=True)
@@ -46,10 +54,15 @@ class IterationReport:
 
 
 @stage_task(name="log_iteration")
-def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_dir: str, model_name: str) -> IterationReport:
-    """Log the iteration's metrics and register its checkpoint as a model version, once: a resumed
-    run whose iteration was already logged from the same tables and checkpoint logs nothing again
-    (and `register_checkpoint` never registers an iteration twice)."""
+def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_dir: str,
+                  model_name: str | None = None) -> IterationReport:
+    """Log the iteration's metrics and register its checkpoint as a version of `model_name` (default:
+    the ref's), tagged with its dev EM and algorithm, once: a resumed run whose iteration was already
+    logged from the same tables and checkpoint logs nothing again (and `register_checkpoint` never
+    registers an iteration twice)."""
+    model_name = model_name or ref.model_name
+    if not model_name:
+        raise ValueError("log_iteration needs a model name: pass model_name or a TrackingRef from start_tracking")
     summary = iteration_summary(run, iteration)
     tracker = _tracker(ref)
     record = StageRecord(run.manifest_path("log_iteration", iteration), "log_iteration",
@@ -63,7 +76,8 @@ def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_d
         if rollout is not None and rollout.metrics.get("seconds"):
             metrics["rollout_tokens_per_s"] = summary.generated_tokens / rollout.metrics["seconds"]
         tracker.log_metrics(ref.mlflow_run_id, metrics, step=iteration)
-    version = tracker.register_checkpoint(ref.mlflow_run_id, Path(checkpoint_dir), model_name, iteration)
+    version = tracker.register_checkpoint(ref.mlflow_run_id, Path(checkpoint_dir), model_name, iteration,
+                                          dev_em=summary.dev_em, algorithm=ref.algorithm or None)
     if not logged:
         record.commit({})
     stage_logger("log_iteration").info(
@@ -72,6 +86,29 @@ def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_d
         version.name, version.version,
     )
     return IterationReport(summary, version.name, version.version)
+
+
+def run_artifact_key(run_id: str) -> str:
+    """A Prefect artifact key: lowercase letters, digits and dashes only."""
+    return "agentr1-run-" + re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-")
+
+
+@stage_task(name="report_run")
+def report_run(run: RunLayout, ref: TrackingRef, summaries: list[IterationSummary], start_dev_em: float,
+               model: str) -> str:
+    """The end-of-run report: the learning curves as PNGs and the iteration table as markdown, written
+    to the run's report folder, logged to the MLflow run (`report/`) and published as a Prefect
+    markdown artifact (shown under the flow run in the UI); returns the artifact key. Rewritten whole
+    on a rerun: it is cheap and derived only from the summaries."""
+    markdown = run_table_markdown(run.run_id, summaries, start_dev_em, model=model)
+    plot_run_curves(summaries, run.report_dir / "curves", start_dev_em)
+    write_text_atomic(run.report_dir / "report.md", markdown)
+    _tracker(ref).log_artifacts(ref.mlflow_run_id, run.report_dir, "report")
+    key = run_artifact_key(run.run_id)
+    create_markdown_artifact(markdown=markdown, key=key, description=f"agentr1 run {run.run_id}")
+    stage_logger("report_run").info("report: %s (curves/*.png, MLflow artifacts report/, Prefect artifact %s)",
+                                    run.report_dir / "report.md", key)
+    return key
 
 
 @stage_task(name="finish_tracking")

@@ -67,6 +67,29 @@ def test_mlflow_has_the_run_metrics_and_one_model_version_per_iteration(trained)
     assert result.model_version == config.iterations
 
 
+def test_the_run_report_is_written_logged_to_mlflow_and_published_to_prefect(trained):
+    from prefect.client.orchestration import get_client
+
+    from tasks.track import run_artifact_key
+
+    config, result, root = trained
+    report = root.run("e2e").report_dir
+    curves = sorted(p.name for p in (report / "curves").glob("*.png"))
+    assert curves == sorted(["reward.png", "em.png", "tool_calls.png", "turns.png", "kl.png", "entropy.png"])
+    table = (report / "report.md").read_text()
+    assert all(f"| {k} | {s.mean_reward:.3f} |" in table for k, s in enumerate(result.iterations))
+    logged = {a.path for a in MlflowClient(result.tracking_uri).list_artifacts(result.mlflow_run_id, "report/curves")}
+    assert {f"report/curves/{name}" for name in curves} == logged
+
+    async def latest_artifact():
+        async with get_client() as client:
+            return await client.read_latest_artifacts()
+
+    import asyncio
+    published = {a.key: a for a in asyncio.run(latest_artifact())}
+    assert published[run_artifact_key("e2e")].data == table
+
+
 def test_relogging_an_iteration_adds_no_metric_point(trained):
     """A kill after the metrics were logged but before log_iteration's manifest: the rerun logs nothing twice;
     a metric that does not apply (GRPO has no critic, so no value loss) is never logged."""
@@ -136,3 +159,16 @@ def test_rerun_rollout_in_the_hermes_format_with_a_context_window(trained):
     text = load_tokenizer(run.initial_policy_dir).decode(opening)
     assert "<tool_call>" in text and '"name": "search"' in text  # hermes tool list in the system prompt
     assert all(s["truncated"] == (s["termination"] in ("max_steps", "max_context")) for s in steps if s["done"])
+
+
+def test_cli_eval_of_one_iteration_runs_that_iterations_checkpoint(trained, capsys):
+    config, result, root = trained
+    run = root.run("e2e")
+    argv = ["eval", "--run-id", "e2e", "--methods", "agent", "--seeds", "1", "--limit", "1", "--greedy",
+            "--data-root", str(root.path), "--eval-id", "it0"]
+    assert cli_main([*argv, "--iteration", "0"]) == 0
+    table = read_table("eval", root.eval_table_uri("it0", "agent", 0))
+    assert set(table.column("checkpoint").to_pylist()) == {str(run.checkpoint_dir(0))}
+    capsys.readouterr()
+    assert cli_main([*argv[:-1], "it9", "--iteration", "9"]) == 2
+    assert "has no checkpoint of iteration 9" in capsys.readouterr().err

@@ -145,6 +145,11 @@ class RunLayout:
         return self.run_dir / ".lock"
 
     @property
+    def report_dir(self) -> Path:
+        """The end-of-run report: `report.md` (the iteration table) and `curves/*.png`."""
+        return self.run_dir / "report"
+
+    @property
     def status_path(self) -> Path:
         """How the run's last training process ended (agent_core/io/run_status.py)."""
         return self.run_dir / "status.json"
