@@ -90,14 +90,24 @@ def save_policy_model(checkpoint_dir: Path, path: Path) -> Path:
     checkpoint_dir = check_checkpoint(Path(checkpoint_dir))
     with warnings.catch_warnings():
         # Without an input example MLflow warns on every save; an example would load the model just
-        # to save it. (Its once-per-process hint to add type hints to `predict` cannot be filtered
-        # from here, and type hints cannot say "a string, a conversation or records".)
+        # to save it. Its hint to add type hints to `predict` is raised under a "once" filter that
+        # MLflow installs itself (mlflow.utils.annotations.filter_user_warnings_once), which beats
+        # any filter set here, so it is dropped where it is shown; type hints cannot say "a string,
+        # a conversation or records".
         warnings.filterwarnings("ignore", category=UserWarning, module=r"mlflow\.")
+        warnings.showwarning = _without_type_hint_advice(warnings.showwarning)
         mlflow.pyfunc.save_model(
             path=str(path), python_model=str(MODEL_CODE), artifacts={CHECKPOINT_ARTIFACT: str(checkpoint_dir)},
             signature=_signature(), pip_requirements=_requirements(),
         )
     return Path(path)
+
+
+def _without_type_hint_advice(show):
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if "Add type hints to the `predict` method" not in str(message):
+            show(message, category, filename, lineno, file, line)
+    return showwarning
 
 
 def model_checkpoint_dir(model_dir: Path) -> Path:
