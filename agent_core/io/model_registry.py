@@ -30,7 +30,7 @@ from agent_core.io.mlflow_env import mlflow_env  # noqa: F401  (first: it sets M
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from agent_core.io.checkpoints import check_checkpoint  # noqa: E402
+from agent_core.io.checkpoints import check_checkpoint, swap_into_place  # noqa: E402
 
 RUN_ID_TAG = "agentr1.run_id"
 ITERATION_TAG = "iteration"
@@ -234,9 +234,7 @@ def registered_checkpoint(model_uri: str, tracking_uri: str, data_root: Path) ->
         _download(found.source, staging, tracking_uri)
         (staging / _CACHE_RECORD).write_text(json.dumps(record, indent=1))
         model_checkpoint_dir(staging)  # fail before the rename if the version holds no checkpoint
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+        swap_into_place(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return model_checkpoint_dir(target)
