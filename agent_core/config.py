@@ -210,6 +210,26 @@ class TrainerConfig(_Section):
         3, ge=0, description="optimizer steps in a row (counted across iterations) that may be skipped for non-finite "
         "inputs, log-probs, loss or gradients; one more stops the run before its checkpoint is written (0: the first)"
     )
+    max_staleness: int = Field(0, ge=0, description="policy versions a trained step may lag its iteration (0: on-policy; "
+                               "1: rollout k+1 overlaps training k, docs/scale-out.md); older steps are refused")
+
+
+class ClusterConfig(_Section):
+    """Where the work runs (docs/scale-out.md). address unset: everything in this process (no Ray);
+    `local`: start a Ray cluster here with num_cpus / num_gpus; `auto` or `ray://host:port`: join one."""
+
+    address: str | None = Field(None, pattern=r"^(local|auto|ray://.+)$", description="unset, local, auto or ray://host:port")
+    num_cpus: int | None = Field(None, ge=1, description="local: CPUs Ray may schedule (default: all)")
+    num_gpus: int | None = Field(None, ge=0, description="local: GPUs Ray may schedule (default: all)")
+    rollout_replicas: int = Field(1, ge=1, description="inference replicas, each an actor owning one engine")
+    replica_urls: tuple[str, ...] = Field((), description="external OpenAI-compatible servers (vllm engine): one replica each")
+    replica_cpus: float = Field(1.0, gt=0, description="CPUs reserved per replica actor")
+    replica_gpus: float = Field(0.0, ge=0, description="GPUs reserved per replica actor")
+    generate_timeout_s: float = Field(300.0, gt=0, description="a replica that takes longer on one call is taken out")
+    sync_timeout_s: float = Field(300.0, gt=0, description="how long a replica may take to load new weights")
+    trainer_workers: int = Field(1, ge=1, description="data-parallel training workers (torch.distributed)")
+    worker_cpus: float = Field(1.0, gt=0, description="CPUs reserved per training worker")
+    worker_gpus: float = Field(0.0, ge=0, description="GPUs per training worker (NCCL when > 0, else gloo)")
 
 
 _SOLVED_EPISODES = "select episode_id from rewards where em = 1"
@@ -303,6 +323,7 @@ class PipelineConfig(_Section):
     warm_start: WarmStartConfig = WarmStartConfig()
     dev_eval: DevEvalConfig = DevEvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="before")
     @classmethod

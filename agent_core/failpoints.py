@@ -4,11 +4,12 @@ Each durable write and each long-running stage passes through `failpoint("<name>
 `write_table:steps:temp_written`, after a table's temporary file is flushed and before the rename
 that publishes it). Normally this does nothing but read one environment variable. With
 
-    AGENTR1_FAILPOINT=<name>[@<n>]
+    AGENTR1_FAILPOINT=<name>[@<n>][=hang]
 
 the process kills itself with SIGKILL the n-th time (default: the first) it reaches `<name>`: no
 exception handler, `finally` block or atexit hook runs, exactly as under the OOM killer or a lost
-machine. With `AGENTR1_FAILPOINT_TRACE=<file>` every failpoint reached is appended to the file, one
+machine. With `=hang` the thread that reached it blocks forever instead (a process that stops
+answering: what a timeout must catch). With `AGENTR1_FAILPOINT_TRACE=<file>` every failpoint reached is appended to the file, one
 name per line (the kill-and-resume test takes its kill points from the trace of a clean run).
 
 Like gofail (etcd) or fail-rs (TiKV), the hooks live in the product so tests crash the real code
@@ -40,11 +41,13 @@ def failpoint(name: str) -> None:
             with open(trace, "a") as sink:
                 sink.write(name + "\n")
     if spec and _selects(spec, name, count):
+        if spec.endswith("=hang"):
+            threading.Event().wait()  # never set: this thread stops answering
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _selects(spec: str, name: str, count: int) -> bool:
-    target, _, nth = spec.partition("@")
+    target, _, nth = spec.removesuffix("=hang").partition("@")
     return target == name and count == (int(nth) if nth else 1)

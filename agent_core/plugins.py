@@ -19,6 +19,14 @@ class PluginError(ImportError):
     pass
 
 
+_loaded: list[str] = []
+
+
+def loaded_plugins() -> tuple[str, ...]:
+    """The plugin modules this process imported, in order (a Ray replica imports the same ones)."""
+    return tuple(_loaded)
+
+
 def load_plugins(modules: Sequence[str]) -> None:
     """Import each module (once; importing again is a no-op). PluginError names the module."""
     if modules and os.getcwd() not in sys.path:
@@ -26,5 +34,7 @@ def load_plugins(modules: Sequence[str]) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
+            if name not in _loaded:
+                _loaded.append(name)
         except Exception as error:
             raise PluginError(f"cannot import plugin {name!r}: {type(error).__name__}: {error}") from error

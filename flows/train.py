@@ -1,6 +1,9 @@
 """The training flow: prepare data, then N iterations of rollout -> rewards -> advantages -> train.
 
 Reads top to bottom like the pipeline diagram in docs/architecture.md §1. Stages pass table URIs only.
+With `trainer.max_staleness >= 1` iteration k trains while iteration k+1 rolls out with the newest
+finished policy (one version behind); with `cluster.address` set the rollout and training stages
+run on Ray (docs/scale-out.md). The recipe is the same either way.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 from prefect import flow
 
 from agent_core.algos.estimator_core import estimator_uses_critic
+from agent_core.cluster.session import close_cluster
 from agent_core.config import PipelineConfig
 from agent_core.io.layout import DataRoot, RunLayout, new_run_id
 from agent_core.io.summaries import IterationSummary, eval_scores
@@ -85,6 +89,17 @@ def train(config: PipelineConfig) -> TrainResult:
             return _train(run, config)
     finally:
         shutdown_engines()  # vLLM servers stay warm between iterations, not after the run
+        if config.cluster.address is not None:
+            close_cluster()  # replicas and training workers too (and a local Ray cluster)
+
+
+def _finish_iteration(run: RunLayout, k: int, checkpoint: str, dataset: DatasetUris, config: PipelineConfig,
+                      eval_settings, tracking, reports: list) -> tuple[str, int]:
+    """After iteration k's training: evaluate if due, log it; the new policy and its version (k + 1)."""
+    if _evaluates_after(k, config):
+        dev_eval(run, k, checkpoint, dataset, config.dev_eval, eval_settings)
+    reports.append(log_iteration(run, k, tracking, checkpoint))
+    return checkpoint, k + 1
 
 
 def _train(run: RunLayout, config: PipelineConfig) -> TrainResult:
@@ -99,17 +114,28 @@ def _train(run: RunLayout, config: PipelineConfig) -> TrainResult:
     total_steps = config.iterations * config.trainer.epochs * config.trainer.mini_batches
 
     reports = []
+    overlap = config.trainer.max_staleness >= 1  # rollout k+1 runs while iteration k trains
+    version, training = 0, None  # the version policy_dir holds; the training still running, if any
     for k in range(config.iterations):
         prompts = prepare_data(run, k, dataset, config.data, config.seed)
-        steps = rollout(run, k, prompts, dataset.corpus_uri, policy_dir, config.rollout, config.seed)
+        steps = rollout(run, k, prompts, dataset.corpus_uri, policy_dir, config.rollout, config.seed,
+                        policy_version=version, cluster=config.cluster)
+        if training is not None:  # iteration k-1 trained while this rollout ran; its critic is read next
+            policy_dir, version = _finish_iteration(run, k - 1, training.result(), dataset, config, eval_settings,
+                                                    tracking, reports)
         rewards = label_rewards(run, k, steps, prompts, config.reward)
         advantages = compute_advantages(run, k, steps, rewards, config.algorithm, config.trainer,
                                         config.rollout.temperature)
-        policy_dir = train_policy(run, k, steps, advantages, policy_dir, config.trainer, config.algorithm,
-                                  config.rollout.temperature, total_steps)
-        if _evaluates_after(k, config):
-            dev_eval(run, k, policy_dir, dataset, config.dev_eval, eval_settings)
-        reports.append(log_iteration(run, k, tracking, policy_dir))
+        train_args = (run, k, steps, advantages, policy_dir, config.trainer, config.algorithm,
+                      config.rollout.temperature, total_steps)
+        if overlap:  # the next rollout starts now, with policy_dir (this training's result comes later)
+            training = train_policy.submit(*train_args, cluster=config.cluster)
+        else:
+            policy_dir, version = _finish_iteration(run, k, train_policy(*train_args, cluster=config.cluster),
+                                                    dataset, config, eval_settings, tracking, reports)
+    if training is not None:
+        policy_dir, version = _finish_iteration(run, config.iterations - 1, training.result(), dataset, config,
+                                                eval_settings, tracking, reports)
 
     report_run(run, tracking, [r.summary for r in reports], start_dev_em,
                f"{reports[-1].model_name} version {reports[-1].model_version}")

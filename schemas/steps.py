@@ -6,7 +6,11 @@ Cross-row rules, checked with Arrow group-bys rather than a loop over episodes:
 - `termination` is set iff `done`; `truncated` is True iff the termination is a budget cut-off
   (max_steps, max_context), so truncated and terminated episodes are told apart (e.g. for
   bootstrapping); `prefix_shared` is False on the done row (no next context).
-`response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
+`policy_version` is the version of the weights that served the step (a replica reports the one it
+held), never newer than the step's iteration; how much older training accepts is the trainer's
+`max_staleness`. `served_by` names the inference replica (null in-process), `retries` counts the
+replicas that failed this call before it (docs/scale-out.md), `generated_at` is the unix time the
+action came back. `response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
 rounding of values near zero. Row id in errors: `<episode_id>/<step_idx>`.
 """
 
@@ -67,6 +71,10 @@ def _truncated_iff_budget(t: pa.Table) -> pa.Array:
     return pc.equal(t["truncated"], by_budget)
 
 
+def _version_not_newer(t: pa.Table) -> pa.Array:
+    return pc.less_equal(t["policy_version"], t["iteration"])
+
+
 def _not_shared_when_done(t: pa.Table) -> pa.Array:
     return pc.invert(pc.and_kleene(t["done"], t["prefix_shared"]))
 
@@ -94,6 +102,9 @@ class StepsModel(ArrowModel):
     finish_reason: STRING = Field()
     prefix_shared: BOOL = Field()
     info: STRING = Field()
+    served_by: STRING = Field(nullable=True)
+    retries: INT32 = Field()
+    generated_at: FLOAT64 = Field()
 
     _iteration_not_negative = row_check("iteration", ">= 0", at_least("iteration", 0))
     _sample_idx_not_negative = row_check("sample_idx", ">= 0", at_least("sample_idx", 0))
@@ -101,6 +112,10 @@ class StepsModel(ArrowModel):
     _step_idx_unique = row_check("step_idx", "unique per episode_id", unique_key(("episode_id", "step_idx")))
     _step_idx_contiguous = row_check("step_idx", "contiguous from 0 within each episode", _steps_contiguous)
     _policy_version_not_negative = row_check("policy_version", ">= 0", at_least("policy_version", 0))
+    _policy_version_not_newer = row_check("policy_version", "<= iteration (no step comes from a newer policy)",
+                                          _version_not_newer)
+    _retries_not_negative = row_check("retries", ">= 0", at_least("retries", 0))
+    _generated_at_finite = row_check("generated_at", "finite", finite("generated_at"))
     _prompt_ids_non_empty = row_check("prompt_ids", "non-empty", non_empty_list("prompt_ids"))
     _prompt_ids_valid = row_check("prompt_ids", "token ids >= 0", list_items_at_least("prompt_ids", 0))
     _response_ids_non_empty = row_check("response_ids", "non-empty", non_empty_list("response_ids"))

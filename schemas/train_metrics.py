@@ -2,7 +2,8 @@
 
 A skipped update (e.g. a batch with no gradient signal, or a non-finite loss) is recorded, not
 dropped: `skipped` with a `skip_reason`, and its loss / pg_loss / grad_norm may then be NaN;
-otherwise they must be finite. Row id in errors: `<run_id>/<iteration>/<update_idx>`.
+otherwise they must be finite. `started_at` / `finished_at`: unix times the iteration's training stage
+started and ended (the same on all its rows; they show rollout/training overlap, docs/scale-out.md). Row id in errors: `<run_id>/<iteration>/<update_idx>`.
 """
 
 from pandera.pyarrow import Field
@@ -39,6 +40,8 @@ class TrainMetricsModel(ArrowModel):
     seconds: FLOAT64 = Field()
     skipped: BOOL = Field()
     skip_reason: STRING = Field(nullable=True)
+    started_at: FLOAT64 = Field()
+    finished_at: FLOAT64 = Field()
 
     _iteration_not_negative = row_check("iteration", ">= 0", at_least("iteration", 0))
     _update_idx_not_negative = row_check("update_idx", ">= 0", at_least("update_idx", 0))

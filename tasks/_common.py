@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import sys
+from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,12 +20,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
-from agent_core.config import RewardConfig, RolloutConfig, VLLMConfig
+from agent_core.config import ClusterConfig, RewardConfig, RolloutConfig, VLLMConfig
 from agent_core.data.rows import prompts_from_table, row_to_document
 from agent_core.envs.registry import ENVS, EnvResources, env_kwarg_names, make_env
 from agent_core.envs.search import Bm25Index
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.failpoints import failpoint
+from agent_core.plugins import loaded_plugins
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, write_table
 from agent_core.progress import BarReporter, LogReporter, reporting_to
@@ -33,7 +35,7 @@ from agent_core.rollout.agent_loop import LoopSettings, run_episodes
 from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
 from agent_core.rollout.context import ContextPolicy
 from agent_core.rollout.engine import SamplingParams
-from agent_core.rollout.engines import EngineOptions
+from agent_core.rollout.engines import ENGINES, EngineOptions
 from agent_core.rollout.vllm_server import VLLMOptions
 from agent_core.types import Document, Prompt
 
@@ -135,6 +137,34 @@ def vllm_options(cfg: VLLMConfig) -> VLLMOptions:
 def engine_options(cfg: RolloutConfig) -> EngineOptions:
     return EngineOptions(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_context_tokens,
                          vllm=vllm_options(cfg.vllm))
+
+
+def on_cluster(cluster: ClusterConfig | None) -> bool:
+    """Whether the run's work goes to Ray (docs/scale-out.md); unset address = this process."""
+    return cluster is not None and cluster.address is not None
+
+
+def rollout_engine(cfg: RolloutConfig, cluster: ClusterConfig | None, policy_dir: str, policy_version: int):
+    """The rollout's engine: in-process from the registry, or a router over the cluster's replicas,
+    all serving `policy_dir` as `policy_version` before the first call."""
+    if not on_cluster(cluster):
+        return ENGINES.get(cfg.engine)(Path(policy_dir), engine_options(cfg))
+    from agent_core.cluster.replicas import ReplicaSpec
+    from agent_core.cluster.runtime import ClusterSpec
+    from agent_core.cluster.session import rollout_engine as replica_router
+
+    spec = ReplicaSpec(engine=cfg.engine, options=engine_options(cfg), count=cluster.rollout_replicas,
+                       urls=cluster.replica_urls, cpus=cluster.replica_cpus, gpus=cluster.replica_gpus,
+                       threads=max(1, int(cluster.replica_cpus)), plugins=loaded_plugins(),
+                       sync_timeout_s=cluster.sync_timeout_s, start_timeout_s=cfg.vllm.startup_timeout_s + 120)
+    return replica_router(cluster_spec(cluster), spec, policy_dir, policy_version,
+                          generate_timeout_s=cluster.generate_timeout_s)
+
+
+def cluster_spec(cluster: ClusterConfig):
+    from agent_core.cluster.runtime import ClusterSpec
+
+    return ClusterSpec(cluster.address, cluster.num_cpus, cluster.num_gpus)
 
 
 def env_of(prompt: Prompt, cfg: RolloutConfig) -> tuple[str, dict]:

@@ -5,25 +5,35 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from agent_core.config import RolloutConfig
+from agent_core.config import ClusterConfig, RolloutConfig
 from agent_core.data.rows import prompts_from_table
 from agent_core.io.checkpoints import check_checkpoint, load_tokenizer
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, rows_of, write_table
-from agent_core.rollout.engines import ENGINES, close_engine
+from agent_core.rollout.engines import close_engine
 from tasks._common import (
-    completed_outputs, engine_options, env_of, read_corpus, roll_out, stage_logger, stage_progress, stage_task,
+    completed_outputs, env_of, read_corpus, roll_out, rollout_engine, stage_logger, stage_progress, stage_task,
 )
 
 
 @stage_task(name="rollout")
 def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, policy_dir: str,
-            cfg: RolloutConfig, seed: int, resume: bool = True) -> str:
+            cfg: RolloutConfig, seed: int, resume: bool = True, policy_version: int | None = None,
+            cluster: ClusterConfig | None = None) -> str:
+    """Episodes of the iteration's prompts with the policy at `policy_dir`; the steps table's URI.
+
+    policy_version: the version `policy_dir` holds (default: `iteration`, on-policy; one less when
+    this rollout overlaps the previous iteration's training). cluster: where the engine runs
+    (unset address: in this process); it does not change what is sampled, so it is not a setting
+    the stage's manifest compares.
+    """
     log = stage_logger("rollout")
+    version = iteration if policy_version is None else policy_version
     record = StageRecord(run.manifest_path("rollout", iteration), "rollout",
                          inputs={"prompts": prompts_uri, "corpus": corpus_uri, "policy": policy_dir},
-                         params={"rollout": cfg, "seed": seed, "iteration": iteration})
+                         params={"rollout": cfg, "seed": seed, "iteration": iteration,
+                                 **({"policy_version": version} if version != iteration else {})})
     if (done := completed_outputs(record, resume, f"iteration {iteration} rollout")) is not None:
         return done["steps"]
     started = time.perf_counter()
@@ -34,11 +44,11 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     check_checkpoint(Path(policy_dir))
     documents = read_corpus(corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
-    engine = ENGINES.get(cfg.engine)(Path(policy_dir), engine_options(cfg))
+    engine = rollout_engine(cfg, cluster, policy_dir, version)
     try:
         with stage_progress("rollout", f"rollout iteration {iteration}", "episodes"):
             records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
-                               policy_version=iteration, episode_prefix=f"{run.run_id}-i{iteration}-")
+                               policy_version=version, episode_prefix=f"{run.run_id}-i{iteration}-")
     finally:
         close_engine(engine)
     rows = rows_of(records, run_id=run.run_id, iteration=iteration)  # shallow: asdict deep-copies every token list

@@ -35,7 +35,7 @@ RUN_ID = "killed"
 # Deterministic and quick: lock-step tool turns, no dev eval; an entropy bonus so every update
 # changes the weights (the untrained tiny policy earns no reward, so GRPO alone would not).
 OVERRIDES = ("rollout.straggler_wait_s=.inf", "dev_eval.every=0", "trainer.entropy_coef=0.05")
-TIMING_COLUMNS = {"train_metrics": ("seconds", "tokens_per_s")}
+TIMING_COLUMNS = {"train_metrics": ("seconds", "tokens_per_s", "started_at", "finished_at"), "steps": ("generated_at",)}
 
 
 @dataclass(frozen=True)

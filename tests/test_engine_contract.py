@@ -1,7 +1,8 @@
 """One contract for every engine (docs/architecture.md §6), run against `hf` and `vllm` on the same tiny checkpoint.
 
 Same token ids in; out: one generation per prompt in order, valid ids, finite log-probs, finish
-reasons that agree with the stop tokens and the budget; a seeded call is reproducible; the log-probs
+reasons that agree with the stop tokens and the budget; a seeded call is reproducible and samples
+each prompt from its own seed, whatever other prompts share the call; the log-probs
 the trainer recomputes for the sampled tokens match the engine's; greedy outputs of the two engines
 agree. The vllm half starts a real vLLM server (`make vllm`), so it is marked slow (CI runs it in
 `make test-slow`); it also covers in-place weight reload, a tied-embedding checkpoint and a dead
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -117,6 +119,23 @@ def test_identical_prompts_in_one_call_are_sampled_independently(engine, prompts
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5, stop_token_ids=eos_token_ids(tokenizer))
     group = engine.generate([prompts[1]] * 6, params)  # a GRPO group: one prompt, several samples
     assert len({tuple(g.token_ids) for g in group}) > 1
+
+
+def test_a_seeded_prompt_samples_the_same_whatever_shares_its_call(engine, prompts, reference):
+    """A call split into parts (as a router splits it across replicas), each part given its prompts'
+    seeds, samples what the whole call samples."""
+    _, tokenizer = reference
+    seed = 7
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=seed, stop_token_ids=eos_token_ids(tokenizer))
+    whole = engine.generate(prompts, params)
+    for rows in ([3, 1], [0], [2]):
+        part = engine.generate([prompts[i] for i in rows],
+                               replace(params, seed=None, prompt_seeds=tuple(seed + i for i in rows)))
+        for i, gen in zip(rows, part):
+            assert gen.token_ids == whole[i].token_ids and gen.finish_reason == whole[i].finish_reason, i
+            assert torch.allclose(torch.tensor(gen.logprobs), torch.tensor(whole[i].logprobs), atol=2e-4), i
+    with pytest.raises(ValueError, match="prompt_seeds"):
+        engine.generate(prompts, replace(params, prompt_seeds=(seed,)))
 
 
 def test_generation_ends_on_a_given_stop_token_and_keeps_it(engine, prompts, reference):

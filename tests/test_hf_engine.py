@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -185,3 +187,63 @@ def test_model_generation_config_does_not_leak_into_sampling(model, tokenizer, p
         assert engine.generate(prompts, params) == plain
     finally:
         model.generation_config = saved
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_a_seeded_prompt_samples_the_same_whatever_shares_its_call(model, tokenizer, prompts, temperature, top_p):
+    """What a router relies on: a part of a call, given its prompts' seeds, samples what the whole call did."""
+    a, b, c = prompts
+    engine = HFEngine(model, tokenizer)
+    seed = 21
+    params = SamplingParams(max_new_tokens=24, temperature=temperature, top_p=top_p, seed=seed)
+    whole = engine.generate([a, b, c], params)
+    assert engine.generate([a, b, c], replace(params, seed=None, prompt_seeds=(seed, seed + 1, seed + 2))) == whole
+    alone = engine.generate([b], replace(params, prompt_seeds=(seed + 1,)))  # prompt_seeds overrides seed
+    reordered = engine.generate([c, b], replace(params, seed=None, prompt_seeds=(seed + 2, seed + 1)))
+    for part, same in ((alone[0], whole[1]), (reordered[1], whole[1]), (reordered[0], whole[2])):
+        assert part.token_ids == same.token_ids and part.finish_reason == same.finish_reason
+        assert part.logprobs == pytest.approx(same.logprobs, abs=1e-5)
+
+
+def test_seeded_samples_do_not_depend_on_the_chunking(model, tokenizer, prompts):
+    many = [prompts[i % len(prompts)] for i in range(7)]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=4)
+    split = HFEngine(model, tokenizer, max_batch_size=1).generate(many, params)
+    whole = HFEngine(model, tokenizer, max_batch_size=64).generate(many, params)
+    assert [g.token_ids for g in split] == [g.token_ids for g in whole]
+    for a, b in zip(split, whole):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_prompt_seeds_choose_the_samples(model, tokenizer, prompts):
+    engine = HFEngine(model, tokenizer)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    first = engine.generate(prompts, replace(params, prompt_seeds=(1, 2, 3)))
+    assert engine.generate(prompts, replace(params, prompt_seeds=[1, 2, 3])) == first  # a list is taken as a tuple
+    other = engine.generate(prompts, replace(params, prompt_seeds=(4, 5, 6)))
+    assert [g.token_ids for g in other] != [g.token_ids for g in first]
+    with pytest.raises(ValueError, match="prompt_seeds holds 2 seeds for 3 prompts"):
+        engine.generate(prompts, replace(params, prompt_seeds=(1, 2)))
+    with pytest.raises(ValueError, match="prompt_seeds"):
+        engine.generate([], replace(params, prompt_seeds=(1,)))
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.5, 1.0), (1.5, 0.8)])
+def test_seeded_sampling_draws_from_the_tempered_nucleus(model, tokenizer, prompts, temperature, top_p):
+    """The per-prompt sampler's first tokens over many seeds follow softmax(logits / T), cut to the top-p nucleus."""
+    prompt, n = prompts[0], 3000
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    keep = order[(ordered.cumsum(0) - ordered) < top_p]  # the smallest top set holding top_p of the mass
+    expected = torch.zeros_like(probs)
+    expected[keep] = probs[keep] / probs[keep].sum()
+    engine = HFEngine(model, tokenizer, max_batch_size=1000)
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, top_p=top_p, seed=100)
+    firsts = torch.tensor([g.token_ids[0] for g in engine.generate([prompt] * n, params)])
+    observed = torch.bincount(firsts, minlength=len(probs)).double() / n
+    assert set(firsts.tolist()) <= set(keep.tolist())
+    assert len(set(firsts.tolist())) > 3  # really a spread, not a near-greedy prompt
+    # per token, within ~4.5 standard deviations of a multinomial count
+    tolerance = 4.5 * (expected * (1 - expected) / n).sqrt() + 1e-3
+    assert bool(((observed - expected).abs() <= tolerance).all()), (observed - expected).abs().max()

@@ -24,7 +24,7 @@ from agent_core.training.safety import (
 )
 from agent_core.training.trainer import UpdateResult, make_optimizer, ppo_update, train_iteration
 from schemas import TableValidationError
-import tasks.train
+import agent_core.training.iteration
 from tasks.train import train_policy
 from test_schemas import steps_rows
 from test_trainer import ITERATION, PAD, UPDATE, full_steps, parameters, random_steps, tiny_llama
@@ -178,7 +178,7 @@ def policy_dir(tmp_path_factory) -> Path:
 def _run_with_tables(tmp_path: Path, iteration: int = 0) -> RunLayout:
     """A run with this iteration's steps (2 episodes x 3 steps) and finite GRPO-style advantages."""
     run = RunLayout(tmp_path, "r1")
-    steps = [{**row, "iteration": iteration} for row in steps_rows()]
+    steps = [{**row, "iteration": iteration, "policy_version": iteration} for row in steps_rows()]
     write_table("steps", steps, run.table_uri(iteration, "steps"))
     advantages = [{"run_id": "r1", "iteration": iteration, "episode_id": s["episode_id"], "step_idx": s["step_idx"],
                    "advantages": [1.0, 1.0] if s["episode_id"] == "ep-0" else [-1.0, -1.0], "returns": [1.0, 1.0],
@@ -227,13 +227,13 @@ def test_a_finite_run_saves_its_checkpoint_and_metrics(tmp_path, policy_dir):
 def test_a_stray_non_finite_update_is_skipped_recorded_and_the_run_goes_on(tmp_path, policy_dir, monkeypatch):
     """The tables forbid nan/inf, so a bad value past them (e.g. a bug in an estimator) is simulated
     on the training sequences: its mini-batch is skipped, the other one trains."""
-    real = tasks.train.train_iteration
+    real = agent_core.training.iteration.train_iteration
 
     def with_a_bad_advantage(model, optimizer, sequences, settings, **kwargs):
         return real(model, optimizer, [_poison(sequences[0], "advantages", math.nan), *sequences[1:]], settings,
                     **kwargs)
 
-    monkeypatch.setattr(tasks.train, "train_iteration", with_a_bad_advantage)
+    monkeypatch.setattr(agent_core.training.iteration, "train_iteration", with_a_bad_advantage)
     run = _run_with_tables(tmp_path)
     _train(run, policy_dir, mini_batches=2)
     assert run.checkpoint_dir(0).is_dir()
@@ -281,7 +281,7 @@ def test_poisoned_weights_never_reach_a_new_checkpoint(tmp_path, poisoned_policy
 def test_the_run_of_skips_continues_from_the_previous_iteration(tmp_path, poisoned_policy):
     run = _run_with_tables(tmp_path, iteration=1)
     reason = "non-finite log-probs from the model on 9 of 9 tokens (its weights or activations overflowed)"
-    previous = [{"run_id": "r1", "iteration": 0, "update_idx": i, **vars(_result(reason))} for i in range(3)]
+    previous = [{"run_id": "r1", "iteration": 0, "update_idx": i, **vars(_result(reason)), "started_at": 0.0, "finished_at": 1.0} for i in range(3)]
     previous[0] = {**previous[0], **vars(_result(None))}
     write_table("train_metrics", previous, run.table_uri(0, "train_metrics"))
     with pytest.raises(NonFiniteTrainingError, match="iteration 1: 1 of 1 updates.*after 2 at the end of the "

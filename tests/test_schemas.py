@@ -28,7 +28,8 @@ EXPECTED_SCHEMAS = {
               ("response_ids", pa.list_(I32), False), ("response_logprobs", pa.list_(F32), False),
               ("response_text", S, False), ("tool_calls", S, False), ("parse_error", S, True),
               ("observation_text", S, False), ("env_reward", F64, False), ("done", B, False),
-              ("termination", S, True), ("truncated", B, False), ("finish_reason", S, False), ("prefix_shared", B, False), ("info", S, False)],
+              ("termination", S, True), ("truncated", B, False), ("finish_reason", S, False), ("prefix_shared", B, False), ("info", S, False),
+              ("served_by", S, True), ("retries", I32, False), ("generated_at", F64, False)],
     "rewards": [("run_id", S, False), ("iteration", I32, False), ("episode_id", S, False), ("group_id", S, False),
                 ("prompt_id", S, False), ("sample_idx", I32, False), ("step_idx", I32, False),
                 ("process_reward", F64, False), ("outcome_reward", F64, False), ("process_factor", F64, False),
@@ -43,7 +44,8 @@ EXPECTED_SCHEMAS = {
     "train_metrics": [("run_id", S, False), ("iteration", I32, False), ("update_idx", I32, False), ("loss", F64, False),
                       ("pg_loss", F64, False), ("vf_loss", F64, True), ("entropy", F64, False), ("kl", F64, False),
                       ("clipfrac", F64, False), ("grad_norm", F64, False), ("lr", F64, False), ("tokens", I64, False),
-                      ("tokens_per_s", F64, False), ("seconds", F64, False), ("skipped", B, False), ("skip_reason", S, True)],
+                      ("tokens_per_s", F64, False), ("seconds", F64, False), ("skipped", B, False), ("skip_reason", S, True),
+                      ("started_at", F64, False), ("finished_at", F64, False)],
     "eval": [("eval_id", S, False), ("method", S, False), ("checkpoint", S, False), ("data_source", S, False),
              ("split", S, False), ("seed", I32, False), ("prompt_id", S, False), ("prediction", S, False),
              ("em", F64, False), ("f1", F64, False), ("format_ok", B, False), ("steps", I32, False),
@@ -85,6 +87,7 @@ def steps_rows() -> list[dict]:
                 "parse_error": None, "observation_text": "" if done else "<result>...</result>", "env_reward": 0.0,
                 "done": done, "termination": "answered" if done else None, "truncated": False, "finish_reason": "stop",
                 "prefix_shared": not done, "info": json.dumps({"doc_ids": ["d1"], "note": "x\ny"}),
+                "served_by": None, "retries": 0, "generated_at": 1.7e9 + step,
             })
     return rows
 
@@ -112,7 +115,7 @@ def advantages_rows() -> list[dict]:
 def train_metrics_rows() -> list[dict]:
     base = {"run_id": "r1", "iteration": 0, "loss": 0.5, "pg_loss": 0.4, "vf_loss": None, "entropy": 1.2, "kl": 0.01,
             "clipfrac": 0.1, "grad_norm": 0.7, "lr": 1e-5, "tokens": 100, "tokens_per_s": 40.0, "seconds": 2.5, "skipped": False,
-            "skip_reason": None}
+            "skip_reason": None, "started_at": 1.7e9, "finished_at": 1.7e9 + 3}
     skipped = {**base, "update_idx": 1, "loss": math.nan, "pg_loss": math.nan, "grad_norm": math.nan,
                "skipped": True, "skip_reason": "no gradient signal"}
     return [{**base, "update_idx": 0}, skipped]
@@ -164,6 +167,9 @@ STEPS_CASES = [
     (_set(iteration=-1), 0, "iteration", ">= 0", "ep-0/0"),
     (_set(sample_idx=-1), 1, "sample_idx", ">= 0", "ep-0/1"),
     (_set(policy_version=-2), 4, "policy_version", ">= 0", "ep-1/1"),
+    (_set(policy_version=1), 4, "policy_version", "<= iteration (no step comes from a newer policy)", "ep-1/1"),
+    (_set(retries=-1), 1, "retries", ">= 0", "ep-0/1"),
+    (_set(generated_at=math.nan), 2, "generated_at", "finite", "ep-0/2"),
     (_set(prompt_ids=[]), 0, "prompt_ids", "non-empty", "ep-0/0"),
     (_set(prompt_ids=[1, -3]), 3, "prompt_ids", "token ids >= 0", "ep-1/0"),
     (_set(prompt_ids=[1, None]), 3, "prompt_ids", "token ids >= 0", "ep-1/0"),
@@ -475,7 +481,7 @@ def _big_steps_table(episodes: int, steps_per_episode: int) -> pa.Table:
         return pa.ListArray.from_arrays(offsets, pa.array([value] * (n * length), value_type))
 
     columns = {
-        "run_id": pa.array(["r1"] * n), "iteration": pa.array([0] * n, pa.int32()),
+        "run_id": pa.array(["r1"] * n), "iteration": pa.array([3] * n, pa.int32()),
         "episode_id": pa.array([f"ep-{i // steps_per_episode}" for i in range(n)]),
         "group_id": pa.array([f"g{i // (8 * steps_per_episode)}" for i in range(n)]),
         "prompt_id": pa.array([f"q{i // (8 * steps_per_episode)}" for i in range(n)]),
@@ -491,6 +497,8 @@ def _big_steps_table(episodes: int, steps_per_episode: int) -> pa.Table:
         "truncated": pa.array([False] * n),
         "finish_reason": pa.array(["stop"] * n), "prefix_shared": pa.array([not d for d in done]),
         "info": pa.array([f'{{"doc_ids": ["d{i}"], "n": {i}}}' for i in range(n)]),
+        "served_by": pa.array(["replica-0"] * n), "retries": pa.array([0] * n, pa.int32()),
+        "generated_at": pa.array([1.7e9] * n),
     }
     return pa.table(columns)
 

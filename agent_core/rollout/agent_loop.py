@@ -180,7 +180,7 @@ class _Scheduler:
         self.ready = []
         seed = None if self.sampling.seed is None else self.sampling.seed + self.calls
         future = engine_pool.submit(_timed_generate, self.engine, [ep.current_ids for ep in batch],
-                                    replace(self.sampling, seed=seed))
+                                    replace(self.sampling, seed=seed), [ep.episode_id for ep in batch])
         self.generating[future] = (batch, [now - ep.ready_since for ep in batch])
         self.calls += 1
         return None
@@ -190,9 +190,11 @@ class _Scheduler:
         batch, queued = self.generating.pop(future)
         self.slot_free_since = time.perf_counter()
         generations, seconds = future.result()
+        returned_at = time.time()
         for ep, gen, queue_seconds in zip(batch, generations, queued):
             action_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            timing = {"generate_seconds": round(seconds, 6), "queue_seconds": round(queue_seconds, 6)}
+            timing = {"generate_seconds": round(seconds, 6), "queue_seconds": round(queue_seconds, 6),
+                      "generated_at": returned_at}  # a column of its own, not info (_advance)
             self.stepping[env_pool.submit(_env_step, ep.env, action_text)] = (ep, gen, action_text, timing)
         self.generated_tokens += sum(len(gen.token_ids) for gen in generations)
         log.debug("generate call %d back: %d episodes in %.2fs", self.calls, len(batch), seconds)
@@ -214,11 +216,16 @@ class _Scheduler:
 
 
 
-def _timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[Generation], float]:
-    """(generations, wall seconds of the call); runs on an engine thread."""
+def _timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+                    episode_ids: list[str]) -> tuple[list[Generation], float]:
+    """(generations, wall seconds of the call); runs on an engine thread. An engine that routes by
+    session (`routes_sessions`, agent_core/cluster) is told each prompt's episode."""
     failpoint("engine:generate")  # a crash mid-rollout, whichever engine
     started = time.perf_counter()
-    generations = engine.generate(prompts, params)
+    if getattr(engine, "routes_sessions", False):
+        generations = engine.generate(prompts, params, sessions=episode_ids)
+    else:
+        generations = engine.generate(prompts, params)
     if len(generations) != len(prompts):  # zip would silently drop episodes
         raise RuntimeError(f"engine returned {len(generations)} generations for {len(prompts)} prompts")
     return generations, time.perf_counter() - started
@@ -289,6 +296,7 @@ def _advance(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, 
              sampling: SamplingParams, settings: LoopSettings, end_of_turn_ids: frozenset[int]) -> bool:
     """Apply one generation and the env's answer to its episode; return True if the episode goes on."""
     termination = outcome.termination if outcome.done else None
+    generated_at = outcome.info.pop("generated_at", time.time())
     messages = _observation_messages(ep.env, outcome, tokenizer, settings)
     observation = "\n".join(m.content for m in messages)
     next_ids: list[int] | None = None
@@ -304,7 +312,8 @@ def _advance(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, 
             termination = "max_context"
     done = termination is not None
     prefix_shared = not done and extends(next_ids, ep.current_ids + list(gen.token_ids))
-    ep.records.append(_record(ep, gen, action_text, outcome, observation, termination, prefix_shared, settings))
+    ep.records.append(_record(ep, gen, action_text, outcome, observation, termination, prefix_shared, settings,
+                              generated_at))
     if done:
         return False
     ep.current_ids = next_ids
@@ -330,14 +339,14 @@ def _observation_messages(env: AgentEnv, outcome: EnvStep, tokenizer, settings: 
 
 
 def _record(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, observation: str,
-            termination: str | None, prefix_shared: bool, settings: LoopSettings) -> StepRecord:
+            termination: str | None, prefix_shared: bool, settings: LoopSettings, generated_at: float) -> StepRecord:
     return StepRecord(
         episode_id=ep.episode_id,
         group_id=ep.group_id,
         prompt_id=ep.prompt.prompt_id,
         sample_idx=ep.sample_idx,
         step_idx=ep.step_idx,
-        policy_version=settings.policy_version,
+        policy_version=settings.policy_version if gen.policy_version is None else gen.policy_version,
         prompt_ids=list(ep.current_ids),
         response_ids=list(gen.token_ids),
         response_logprobs=list(gen.logprobs),
@@ -352,6 +361,9 @@ def _record(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, o
         finish_reason=gen.finish_reason,
         prefix_shared=prefix_shared,
         info=json_text(outcome.info),
+        served_by=gen.served_by,
+        retries=gen.retries,
+        generated_at=generated_at,
     )
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 _SURROGATES = re.compile("[\ud800-\udfff]")
@@ -26,6 +27,9 @@ class StepRecord:
     truncated: the episode was cut off by a budget here (termination max_steps / max_context),
         as opposed to ended by the task (answered) or by an error; only on the done row.
     tool_calls / info: JSON text.
+    policy_version: the weights that generated the action (a replica's own report, else the loop's).
+    served_by / retries: the inference replica that answered (None in-process) and how many replicas
+        failed the same call before it. generated_at: unix time the action came back.
     """
 
     episode_id: str
@@ -48,6 +52,9 @@ class StepRecord:
     finish_reason: str
     prefix_shared: bool
     info: str
+    served_by: str | None = None
+    retries: int = 0
+    generated_at: float = field(default_factory=time.time)
 
 
 def has_surrogates(text: str) -> bool:

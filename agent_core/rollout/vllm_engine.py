@@ -26,7 +26,7 @@ from typing import Sequence
 import httpx
 
 from agent_core.rollout.chat import eos_token_ids
-from agent_core.rollout.engine import Generation, SamplingParams, check_request
+from agent_core.rollout.engine import Generation, SamplingParams, check_request, seeds_of
 from agent_core.rollout.vllm_server import (
     SERVED_NAME, VLLMOptions, VLLMServer, VLLMServerError, architecture_key, vllm_python,
 )
@@ -39,8 +39,9 @@ class VLLMEngine:
     """Engine backed by a pooled vLLM server holding `policy_dir`'s weights.
 
     `max_concurrent_calls` generate calls may be in flight at once (the server batches them
-    continuously). A seeded call sends one request per prompt, seeded `seed + i`: vLLM applies a
-    request's seed to every prompt in it, which would give a GRPO group identical samples.
+    continuously). A seeded call sends one request per prompt, seeded with that prompt's seed
+    (`seed + i`, or `prompt_seeds[i]`): vLLM applies a request's seed to every prompt in it, which
+    would give a GRPO group identical samples.
     """
 
     def __init__(self, server: VLLMServer, tokenizer, *, max_batch_size: int = 64, max_concurrent_calls: int = 8):
@@ -63,11 +64,12 @@ class VLLMEngine:
         stop_ids = list(params.stop_token_ids) or list(eos_token_ids(self.tokenizer))
         # ids outside the vocabulary can never be sampled (the HF engine simply never meets them); vLLM rejects them
         stop_ids = [t for t in stop_ids if 0 <= t < len(self.tokenizer)]
-        if params.seed is None:
+        seeds = seeds_of(params, len(prompts))
+        if seeds is None:
             chunks = [(list(range(s, min(s + self.max_batch_size, len(prompts)))), None)
                       for s in range(0, len(prompts), self.max_batch_size)]
         else:
-            chunks = [([i], params.seed + i) for i in range(len(prompts))]
+            chunks = [([i], seeds[i]) for i in range(len(prompts))]
         futures = [self._requests.submit(self._complete, [list(prompts[i]) for i in rows], params, stop_ids, seed)
                    for rows, seed in chunks]
         results: list[Generation] = []

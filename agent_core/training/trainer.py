@@ -23,13 +23,21 @@ approximation for later ones), since a placeholder 0 would almost always be clip
 With ``recompute_old_logprobs`` every position gets the policy's log-prob before the first step.
 The KL term and the measured KL run over loss-mask tokens that are also action tokens: only those
 have a reference log-prob.
+
+Data parallelism (``dp``, agent_core.training.data_parallel; None = one process, no collectives):
+every rank prepares the whole step (same micro-batches, same global normalizers) but runs
+forward + backward only on its ``dp.shard`` of the micro-batches; the ranks then agree on a skip
+(any rank's non-finite loss skips the step everywhere), sum their gradients before clipping and sum
+their metric totals. So W workers take the same step, with the same metrics, as one worker on the
+same sequences, for every loss aggregation mode (float tolerance; tokens_per_s is the total
+throughput over this rank's wall time).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Sequence
 
 import torch
@@ -40,10 +48,11 @@ from agent_core.algos.masks import Masks
 from agent_core.failpoints import failpoint
 from agent_core.progress import report
 from agent_core.training.batches import PaddedBatch, TrainSequence
+from agent_core.training.data_parallel import DataParallel
 from agent_core.training.prepared import Prepared, prepare_update
 from agent_core.training.settings import PPOSettings
 from agent_core.training.safety import (
-    CRITIC_INPUTS, POLICY_INPUTS, SkipUpdate, check_finite_output, nonfinite_inputs,
+    CRITIC_INPUTS, NONFINITE, POLICY_INPUTS, SkipUpdate, check_finite_output, nonfinite_inputs,
 )
 from agent_core.training.scoring import model_vocab_size, score_logprobs, sequence_logprobs, vocab_capped_tokens
 
@@ -98,6 +107,10 @@ class _Totals:
     clipped_sum: float = 0.0
     real_tokens: float = 0.0
 
+    def summed(self, dp: DataParallel | None) -> "_Totals":
+        """The totals over all ranks' micro-batches (one collective), so metrics are the 1-worker ones."""
+        return self if dp is None else _Totals(*dp.sum_floats(list(astuple(self))))
+
 
 def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared, s: PPOSettings,
                         totals: _Totals) -> torch.Tensor:
@@ -148,37 +161,65 @@ def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared
     return loss.detach()
 
 
-def _micro_batches_skip_reason(prep: Prepared, micro_step, count_progress: bool) -> str | None:
-    """Forward + backward of every micro-batch; why the step must be skipped, or None. Each policy
-    micro-batch is reported as progress (`count_progress`; the critic's pass over the same batches is not)."""
-    for batch, masks in zip(prep.batches, prep.masks):
+def _local_skip_reason(pairs, micro_step, count_progress: bool) -> str | None:
+    """Forward + backward of these (batch, masks) pairs; the first skip reason, or None."""
+    for batch, masks in pairs:
         try:
             batch_loss = micro_step(batch, masks)
         except SkipUpdate as skip:
             return str(skip)
         if not torch.isfinite(batch_loss):
-            return f"non-finite loss ({float(batch_loss)}) in a micro-batch"
+            return f"{NONFINITE} loss ({float(batch_loss)}) in a micro-batch"
         if count_progress:
             report(1)
     return None
 
 
+def _micro_batches_skip_reason(prep: Prepared, micro_step, count_progress: bool,
+                               dp: DataParallel | None = None) -> str | None:
+    """Forward + backward of every micro-batch (this rank's shard with `dp`); why the step must be
+    skipped, or None. Each policy micro-batch is reported as progress (`count_progress`; the
+    critic's pass over the same batches is not).
+
+    With `dp` the ranks agree (one collective, which every rank reaches even after a local skip):
+    a skip on any rank skips the step on all, else their optimizers would diverge. Another rank's
+    reason is not sent; it is named generically, still marked non-finite when it was (safety's
+    consecutive-skip check counts those).
+    """
+    pairs = list(zip(prep.batches, prep.masks))
+    reason = _local_skip_reason(pairs if dp is None else dp.shard(pairs), micro_step, count_progress)
+    if dp is None:
+        return reason
+    skipped, nonfinite = dp.sum_floats([float(reason is not None), float(NONFINITE in (reason or ""))])
+    if reason is None and nonfinite > 0:
+        return f"{NONFINITE} value in a micro-batch on another worker"
+    if reason is None and skipped > 0:
+        return "the step was skipped on another worker"
+    return reason
+
+
 def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad_norm,
-                         inputs: tuple[str, ...], count_progress: bool = True) -> tuple[float, str | None]:
+                         inputs: tuple[str, ...], count_progress: bool = True,
+                         dp: DataParallel | None = None) -> tuple[float, str | None]:
     """Run micro_step over every micro-batch (accumulating gradients), clip, and step unless not finite.
 
     inputs: the batch tensors this module's loss reads; any nan/inf there skips the step before a
-    forward pass. Returns (grad norm, skip reason or None). Gradients are cleared either way; the
-    module gets its previous train/eval mode back.
+    forward pass (every rank checks all batches, so all agree without a collective). With `dp`
+    only this rank's micro-batches run and the gradients are summed over ranks before clipping,
+    so every rank clips and steps identically. Returns (grad norm, skip reason or None).
+    Gradients are cleared either way; the module gets its previous train/eval mode back.
     """
     was_training = module.training
     module.train()
     optimizer.zero_grad(set_to_none=True)
     grad_norm = math.nan
     try:
-        skip_reason = nonfinite_inputs(prep.batches, inputs) or _micro_batches_skip_reason(prep, micro_step, count_progress)
+        skip_reason = (nonfinite_inputs(prep.batches, inputs)
+                       or _micro_batches_skip_reason(prep, micro_step, count_progress, dp))
         if skip_reason is None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
+            if dp is not None:
+                dp.all_reduce_gradients(params)
             limit = math.inf if max_grad_norm is None else max_grad_norm
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
             if math.isfinite(grad_norm):
@@ -193,10 +234,11 @@ def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad
 
 
 def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_optimizer, pad_id,
-            micro_batch_tokens) -> tuple[UpdateResult, bool]:
+            micro_batch_tokens, dp: DataParallel | None = None) -> tuple[UpdateResult, bool]:
     """One policy optimizer step (and one critic step when a critic is given) over `sequences`.
 
-    Returns the metrics and whether the policy step was taken.
+    With `dp` every rank passes the same sequences (so the normalizers are the step's) and runs its
+    shard of the micro-batches. Returns the metrics and whether the policy step was taken.
     """
     if not sequences:
         raise ValueError("an update needs at least one sequence")
@@ -205,44 +247,50 @@ def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_opti
                           micro_batch_tokens=micro_batch_tokens, use_loss_mask=s.use_loss_mask,
                           use_advantage_mask=s.use_advantage_mask, norm_length=s.norm_length)
     totals, grad_norm, reasons = _Totals(), math.nan, []
-    if prep.policy_norms.num_tokens > 0:
+    if prep.policy_norms.num_tokens > 0:  # global counts: every rank takes the same branch
         grad_norm, reason = _accumulate_and_step(
             policy, optimizer, prep, lambda b, m: _policy_micro_batch(policy, b, m, prep, s, totals), s.max_grad_norm,
-            POLICY_INPUTS)
+            POLICY_INPUTS, dp=dp)
         policy_skipped = reason is not None
         reasons += [reason] if reason else []
     else:
         policy_skipped = True
         reasons.append("no tokens in the loss mask")
-    vf_loss = math.nan
+    critic_skipped = True
     if critic is not None and prep.value_norms.num_tokens > 0:
         _, reason = _accumulate_and_step(
             critic, critic_optimizer, prep, lambda b, m: _critic_micro_batch(critic, b, m, prep, s, totals),
-            s.max_grad_norm, CRITIC_INPUTS, count_progress=False)
-        vf_loss = math.nan if reason else totals.vf_loss
+            s.max_grad_norm, CRITIC_INPUTS, count_progress=False, dp=dp)
+        critic_skipped = reason is not None
         reasons += [f"critic: {reason}"] if reason else []
-    seconds = time.perf_counter() - started
+    result = _result(totals.summed(dp), prep, policy_skipped, critic_skipped, grad_norm, reasons,
+                     lr=float(optimizer.param_groups[0]["lr"]), seconds=time.perf_counter() - started)
+    return result, not policy_skipped
+
+
+def _result(totals: _Totals, prep: Prepared, policy_skipped: bool, critic_skipped: bool, grad_norm: float,
+            reasons: list[str], *, lr: float, seconds: float) -> UpdateResult:
+    """The UpdateResult of one update from its (all ranks') totals."""
     tokens = math.nan if policy_skipped else prep.policy_norms.num_tokens
-    result = UpdateResult(
+    return UpdateResult(
         loss=math.nan if policy_skipped else totals.loss,
         pg_loss=math.nan if policy_skipped else totals.pg_loss,
-        vf_loss=vf_loss,
+        vf_loss=math.nan if critic_skipped else totals.vf_loss,
         entropy=totals.entropy_sum / tokens,
         kl=math.nan if policy_skipped else totals.kl_sum / max(totals.kl_tokens, 1.0),
         clipfrac=totals.clipped_sum / tokens,
         grad_norm=grad_norm,
-        lr=float(optimizer.param_groups[0]["lr"]),
+        lr=lr,
         tokens=int(prep.policy_norms.num_tokens),
         tokens_per_s=totals.real_tokens / seconds if seconds > 0 else math.nan,
         seconds=seconds,
         skipped=bool(reasons),
         skip_reason="; ".join(reasons) or None,
     )
-    return result, not policy_skipped
 
 
 def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: Sequence[TrainSequence],
-               settings: PPOSettings, *, pad_id: int) -> UpdateResult:
+               settings: PPOSettings, *, pad_id: int, dp: DataParallel | None = None) -> UpdateResult:
     """ONE optimizer step of the policy loss over all `sequences` (no critic; epochs, mini_batches,
     recompute_old_logprobs and max_logit_elements of `settings` are not used here).
 
@@ -253,10 +301,12 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequenc
     kl_coef > 0 adds kl_coef * KL(kl_estimator) to the reference (sequences' ref_logprobs).
     The learning rate is read from the optimizer (the caller owns the schedule). The model is in
     train mode during the update and gets its previous mode back afterwards.
+    dp: data parallelism (module docstring): every rank passes the same `sequences` and runs its
+    share of the micro-batches; None is one process.
     """
     one_step = replace(settings, recompute_old_logprobs=False)
     result, _ = _update(model, optimizer, sequences, one_step, critic=None, critic_optimizer=None, pad_id=pad_id,
-                        micro_batch_tokens=settings.micro_batch_tokens)
+                        micro_batch_tokens=settings.micro_batch_tokens, dp=dp)
     return result
 
 
@@ -283,6 +333,7 @@ def train_iteration(
     critic_optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     seed: int = 0,
+    dp: DataParallel | None = None,
 ) -> list[UpdateResult]:
     """PPO on one iteration's sequences: `settings.epochs` passes, each over `settings.mini_batches`
     shuffled mini-batches.
@@ -295,11 +346,13 @@ def train_iteration(
     every policy step that was taken. Fewer sequences than mini_batches (packing shrinks the row
     count) gives one mini-batch per sequence. Returns one UpdateResult per mini-batch, in order.
     max_logit_elements caps micro_batch_tokens x the policy's vocabulary (see scoring.vocab_capped_tokens).
+    dp: data parallelism (module docstring): every rank passes the same sequences and seed (so the
+    same shuffle) and runs its share of each step's micro-batches; None is one process.
     """
     s = settings
     _check_iteration_inputs(sequences, critic, critic_optimizer, s.kl_coef)
     micro_batch_tokens = vocab_capped_tokens(s.micro_batch_tokens, model_vocab_size(policy), s.max_logit_elements)
-    if s.recompute_old_logprobs:
+    if s.recompute_old_logprobs:  # every rank scores all sequences: no collective, same old log-probs
         fresh = score_logprobs(policy, [q.input_ids for q in sequences], pad_id, micro_batch_tokens, s.temperature)
         sequences = [replace(q, old_logprobs=logprobs) for q, logprobs in zip(sequences, fresh)]
     generator = torch.Generator().manual_seed(seed)
@@ -310,7 +363,8 @@ def train_iteration(
         for chunk in torch.tensor_split(order, min(s.mini_batches, len(sequences))):
             result, policy_stepped = _update(
                 policy, policy_optimizer, [sequences[i] for i in chunk.tolist()], s, critic=critic,
-                critic_optimizer=critic_optimizer, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens)
+                critic_optimizer=critic_optimizer, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens,
+                dp=dp)
             if scheduler is not None and policy_stepped:
                 scheduler.step()
             results.append(result)

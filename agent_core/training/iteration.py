@@ -1,0 +1,112 @@
+"""One training iteration from tables to checkpoint, in this process or on each data-parallel
+worker (the train stage, tasks/train.py, and agent_core/cluster/trainers.py run the same code).
+
+A `TrainJob` holds plain paths and settings (it travels to Ray workers). Every worker loads the
+same policy, optimizer state and sequences, runs `train_iteration` with its `DataParallel` share
+of each step's micro-batches (gradients summed, so all workers step identically), and only rank 0
+writes the checkpoint, optimizer state and critic, atomically, as a single process does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent_core.episodes import episodes_from_rows
+from agent_core.io.checkpoints import load_policy, save_critic, save_policy
+from agent_core.io.optimizer_state import load_optimizer_state, save_optimizer_state
+from agent_core.io.tables import join_steps
+from agent_core.training.batches import TrainStep, choose_layout
+from agent_core.training.critic import build_critic, load_critic
+from agent_core.training.data_parallel import DataParallel
+from agent_core.training.schedule import make_lr_scheduler, optimizer_step_count
+from agent_core.training.settings import PPOSettings
+from agent_core.training.safety import check_nonfinite_updates, check_savable, probe_logprobs
+from agent_core.training.trainer import UpdateResult, make_optimizer, train_iteration
+
+_ADVANTAGE_FIELDS = ("advantages", "ref_logprobs", "values", "returns", "obs_advantages", "obs_returns", "obs_values")
+_TRAIN_STEP_FIELDS = [field.name for field in dataclasses.fields(TrainStep)]
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """The optimizers' plain settings: lr and schedule of the policy, lr of the critic."""
+
+    lr: float
+    weight_decay: float
+    critic_lr: float
+    lr_schedule: str
+    warmup_steps: int
+    total_steps: int  # decay horizon of a linear/cosine schedule
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything one iteration's training reads and writes. *_in paths are None where there is no
+    previous state (iteration 0); critic_in is built from the policy when the folder does not exist."""
+
+    iteration: int
+    steps_uri: str
+    advantages_uri: str
+    policy_dir: str
+    checkpoint_dir: str
+    optimizer_in: str | None
+    optimizer_out: str
+    settings: PPOSettings
+    optimization: Optimization
+    layout: str
+    max_consecutive_nonfinite: int
+    carried_nonfinite: int
+    critic_in: str | None = None  # set iff the estimator uses a critic
+    critic_optimizer_in: str | None = None
+    critic_out: str | None = None
+    critic_optimizer_out: str | None = None
+
+
+def job_sequences(job: TrainJob):
+    """The iteration's training sequences: each episode's steps with their advantages, in its layout."""
+    rows = join_steps(job.steps_uri, ["group_id", "prompt_ids", "response_ids", "response_logprobs"],
+                      "advantages", job.advantages_uri, _ADVANTAGE_FIELDS)
+    steps = [TrainStep(**{name: row[name] for name in _TRAIN_STEP_FIELDS}) for row in rows]
+    return choose_layout([list(episode.steps) for episode in episodes_from_rows(steps)], job.layout)
+
+
+def _critic(job: TrainJob):
+    critic = load_critic(Path(job.critic_in)) if Path(job.critic_in).exists() else build_critic(Path(job.policy_dir))
+    optimizer = make_optimizer(critic, lr=job.optimization.critic_lr, weight_decay=job.optimization.weight_decay)
+    if job.critic_optimizer_in is not None:
+        load_optimizer_state(optimizer, Path(job.critic_optimizer_in))
+    return critic, optimizer
+
+
+def run_training(job: TrainJob, dp: DataParallel | None = None) -> tuple[list[UpdateResult], int]:
+    """Train one iteration; (one result per optimizer step, the rows trained). Rank 0 (or the only
+    process) writes the outputs; a non-finite run raises before anything is written."""
+    sequences = job_sequences(job)
+    model, tokenizer = load_policy(Path(job.policy_dir))
+    opt = job.optimization
+    optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay)
+    if job.optimizer_in is not None:
+        load_optimizer_state(optimizer, Path(job.optimizer_in))
+    steps_now = job.settings.epochs * job.settings.mini_batches
+    scheduler = make_lr_scheduler(optimizer, name=opt.lr_schedule, base_lr=opt.lr, warmup_steps=opt.warmup_steps,
+                                  total_steps=max(opt.total_steps, steps_now), start_step=optimizer_step_count(optimizer))
+    critic = critic_optimizer = None
+    if job.critic_in is not None:
+        critic, critic_optimizer = _critic(job)
+    results = train_iteration(model, optimizer, sequences, job.settings, pad_id=tokenizer.pad_token_id, critic=critic,
+                              critic_optimizer=critic_optimizer, scheduler=scheduler, seed=job.iteration, dp=dp)
+    check_nonfinite_updates(results, iteration=job.iteration, max_consecutive=job.max_consecutive_nonfinite,
+                            carried=job.carried_nonfinite)
+    check_savable(model.named_parameters(), iteration=job.iteration, probe_logprobs=probe_logprobs(
+        model, min(sequences, key=len).input_ids, tokenizer.pad_token_id))
+    if critic is not None:
+        check_savable(critic.named_parameters(), iteration=job.iteration, what="critic")
+    if dp is None or dp.rank == 0:
+        save_policy(model, tokenizer, Path(job.checkpoint_dir))
+        save_optimizer_state(optimizer, Path(job.optimizer_out))
+        if critic is not None:
+            save_critic(critic, Path(job.critic_out))
+            save_optimizer_state(critic_optimizer, Path(job.critic_optimizer_out))
+    return results, len(sequences)
