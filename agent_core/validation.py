@@ -13,6 +13,8 @@ parsing, then `check_names`; the training flow checks the config it is handed as
 
 from __future__ import annotations
 
+import importlib.util
+
 import re
 from pathlib import Path
 from typing import Any, Sequence
@@ -118,8 +120,8 @@ def check_runnable(config: PipelineConfig, source: str = "config", overrides: Se
     behind: the checkpoint the initial policy is copied from (`policy_source=False` skips it, for a
     run that has copied it already), and vLLM's virtualenv when the engine is vllm.
     """
-    problems = _policy_problems(config) if policy_source else []
-    if config.rollout.engine == "vllm":
+    problems = (_policy_problems(config) if policy_source else []) + _cluster_problems(config)
+    if config.rollout.engine == "vllm" and not config.cluster.replica_urls:
         try:
             vllm_python(VLLMOptions(python=config.rollout.vllm.python))
         except VLLMNotInstalledError as error:
@@ -127,6 +129,26 @@ def check_runnable(config: PipelineConfig, source: str = "config", overrides: Se
     if problems:
         raise config_error(problems, source, overrides)
     return config
+
+
+def _cluster_problems(config: PipelineConfig) -> list[Problem]:
+    """A cluster section that cannot work: Ray missing, replicas or workers without a cluster,
+    external servers for an engine other than vllm."""
+    cluster, problems = config.cluster, []
+    if cluster.address is None:
+        for key, value in (("rollout_replicas", cluster.rollout_replicas), ("trainer_workers", cluster.trainer_workers)):
+            if value > 1:
+                problems.append(Problem(f"cluster.{key}", f"cluster.{key}={value} needs a cluster: set cluster.address "
+                                                          "(local, auto or ray://host:port; docs/scale-out.md)"))
+        if cluster.replica_urls:
+            problems.append(Problem("cluster.replica_urls", "cluster.replica_urls needs cluster.address (docs/scale-out.md)"))
+    elif importlib.util.find_spec("ray") is None:
+        problems.append(Problem("cluster.address", 'cluster.address is set but Ray is not installed: '
+                                                   'pip install -e ".[ray]"'))
+    if cluster.replica_urls and config.rollout.engine != "vllm":
+        problems.append(Problem("cluster.replica_urls", "external replica servers are vLLM OpenAI-compatible servers: "
+                                                        f"set rollout.engine=vllm (it is {config.rollout.engine!r})"))
+    return problems
 
 
 def _policy_problems(config: PipelineConfig) -> list[Problem]:

@@ -25,10 +25,11 @@ from typing import Sequence
 
 import httpx
 
+from agent_core.io.checkpoints import load_tokenizer
 from agent_core.rollout.chat import eos_token_ids
 from agent_core.rollout.engine import Generation, SamplingParams, check_request, seeds_of
 from agent_core.rollout.vllm_server import (
-    SERVED_NAME, VLLMOptions, VLLMServer, VLLMServerError, architecture_key, vllm_python,
+    SERVED_NAME, ExternalVLLMServer, VLLMOptions, VLLMServer, VLLMServerError, architecture_key, vllm_python,
 )
 
 _POOL: dict[tuple, VLLMServer] = {}
@@ -140,6 +141,24 @@ def _load_weights(server: VLLMServer, policy_dir: Path) -> VLLMServer:
     fresh = VLLMServer(policy_dir, server.max_model_len, server.options, restarts=server.restarts + 1).start()
     print(f"vllm: restarted the server with {policy_dir.name} in {time.perf_counter() - started:.0f} s")
     return fresh
+
+
+_EXTERNAL: dict[str, ExternalVLLMServer] = {}
+
+
+def external_engine(url: str, policy_dir: Path, options) -> "VLLMEngine":
+    """An engine over the external server at `url`, holding `policy_dir`'s weights (loaded in place
+    when it holds others). options: the EngineOptions of the rollout."""
+    with _POOL_LOCK:
+        server = _EXTERNAL.get(url)
+        if server is None:
+            server = _EXTERNAL[url] = ExternalVLLMServer(Path(policy_dir), options.max_model_len, options.vllm,
+                                                         url=url).start()
+            server.loaded_dir = None  # unknown: what it serves is replaced by the policy below
+        if server.loaded_dir != Path(policy_dir):
+            server.reload(Path(policy_dir))
+    return VLLMEngine(server, load_tokenizer(Path(policy_dir)), max_batch_size=options.max_batch_size,
+                      max_concurrent_calls=options.vllm.max_concurrent_calls)
 
 
 def shutdown_servers() -> None:

@@ -259,3 +259,38 @@ def architecture_key(model_dir: Path) -> str:
     for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
         config.pop(volatile, None)
     return json.dumps(config, sort_keys=True)
+
+
+@dataclass
+class ExternalVLLMServer(VLLMServer):
+    """A vLLM OpenAI-compatible server someone else runs, at `url` (`cluster.replica_urls`).
+
+    It must serve the policy under the name "policy" (`--served-model-name policy`) and, to
+    receive new weights, load our worker extension (`--worker-extension-cls` with
+    agent_core/rollout/vllm_ext on its PYTHONPATH, and VLLM_SERVER_DEV_MODE=1 for /collective_rpc);
+    checkpoint folders must be on storage it can read. We never start or stop it.
+    """
+
+    url: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+    @property
+    def alive(self) -> bool:
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def check_alive(self) -> None:
+        if not self.alive:
+            raise VLLMServerError(f"the external vLLM server at {self.base_url} does not answer /health")
+
+    def start(self) -> "ExternalVLLMServer":
+        self.check_alive()
+        return self
+
+    def stop(self) -> None:
+        """Not ours to stop."""
