@@ -63,7 +63,7 @@ def cluster_run(tmp_path_factory):
     marker = f"agentr1-test-{uuid.uuid4().hex}"
     env = {**os.environ, "AGENTR1_RAY_TEMP_DIR": temp_dir, "AGENTR1_TEST_MARKER": marker, "RAY_AUTH_MODE": "disabled"}
     overrides = ["cluster.address=local", "cluster.num_cpus=4", "cluster.rollout_replicas=2",
-                 "cluster.trainer_workers=2", "iterations=3", "trainer.max_staleness=1", "trainer.epochs=4",
+                 "cluster.trainer_workers=2", "iterations=3", "trainer.max_staleness=1", "trainer.epochs=30",
                  "dev_eval.every=0"]
     command = [AGENTR1, "train", "--config", "tiny", "--data-root", str(data_root), "--run-id", RUN_ID]
     for item in overrides:
@@ -200,3 +200,19 @@ def test_two_ray_workers_train_the_parameters_of_one_process(cluster_run, tmp_pa
     for key in single:
         torch.testing.assert_close(dp[key], single[key], atol=1e-6, rtol=1e-5, msg=key)
     assert not any(r.skipped for r in results)
+
+
+def test_staleness_one_overlaps_rollout_and_training_without_a_cluster_too(tmp_path):
+    """The overlap is the flow's (a Prefect task submitted to its thread pool), not Ray's."""
+    data_root = tmp_path / "data"
+    command = [AGENTR1, "train", "--config", "tiny", "--data-root", str(data_root), "--run-id", RUN_ID,
+               "--set", "iterations=3", "--set", "trainer.max_staleness=1", "--set", "trainer.epochs=30",
+               "--set", "dev_eval.every=0"]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps, metrics = _tables(data_root, "steps"), _tables(data_root, "train_metrics")
+    assert {(s["iteration"], s["policy_version"]) for s in steps} == {(0, 0), (1, 0), (2, 1)}
+    assert {s["served_by"] for s in steps} == {None}
+    for k in (0, 1):
+        trained = [m for m in metrics if m["iteration"] == k][0]
+        assert trained["started_at"] < min(s["generated_at"] for s in steps if s["iteration"] == k + 1) < trained["finished_at"]
