@@ -67,16 +67,16 @@ QUICK = dict(prompts=2, group_size=2, max_steps=2, max_new_tokens=8, repeats=1, 
 
 def arguments(argv: list[str] | None):
     parser = base_parser(__doc__)
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout")
     parser.add_argument("--group-size", type=int, default=4, help="episodes per prompt")
-    parser.add_argument("--max-steps", type=int, default=3, help="LLM calls per episode at most")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per action at most")
+    parser.add_argument("--max-steps", type=int, default=4, help="LLM calls per episode at most")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per action at most")
     parser.add_argument("--max-batch-size", type=int, default=64, help="sequences per hf forward pass")
     parser.add_argument("--hidden-size", type=int, default=64, help="policy hidden size (head size 32: vLLM's CPU minimum)")
     parser.add_argument("--num-layers", type=int, default=2, help="policy layers")
     parser.add_argument("--repeats", type=int, default=3, help="alternating timed rounds per part (median)")
     parser.add_argument("--syncs", type=int, default=6, help="timed weight syncs per pool (median)")
-    parser.add_argument("--train-prompts", type=int, default=8, help="prompts of the run whose steps are trained")
+    parser.add_argument("--train-prompts", type=int, default=16, help="prompts of the run whose steps are trained")
     parser.add_argument("--train-group-size", type=int, default=4, help="episodes per prompt of that run")
     parser.add_argument("--train-epochs", type=int, default=1, help="passes over the steps per training job")
     parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
@@ -293,7 +293,8 @@ def make_run(data_root: Path, args, progress: Progress) -> None:
     overrides = ["iterations=1", "dev_eval.every=0", f"policy.hidden_size={args.hidden_size}",
                  f"policy.num_layers={args.num_layers}", f"policy.intermediate_size={2 * args.hidden_size}",
                  f"data.prompts_per_iteration={args.train_prompts}", f"rollout.group_size={args.train_group_size}",
-                 f"rollout.max_new_tokens={args.max_new_tokens}"]
+                 f"rollout.max_steps={args.max_steps}", f"rollout.max_new_tokens={args.max_new_tokens}",
+                 "rollout.max_context_tokens=2048"]
     command = [agentr1, "train", "--config", "tiny", "--data-root", str(data_root), "--run-id", RUN_ID]
     for item in overrides:
         command += ["--set", item]
@@ -393,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     progress = Progress(NAME)
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars from every actor
     ray_temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     os.environ["AGENTR1_RAY_TEMP_DIR"] = ray_temp
     work = Path(tempfile.mkdtemp(prefix="bench-scale-out-"))

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,11 +47,31 @@ def ray_cluster():
         pytest.fail('Ray is missing: `make ray` (pip install -e ".[ray]") installs it; make test-slow does')
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    marker = os.environ["AGENTR1_TEST_RAY_MARKER"] = f"agentr1-ray-{uuid.uuid4().hex}"  # inherited by Ray's processes
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 1024**2, logging_level="ERROR",
              _temp_dir=temp_dir)
     yield temp_dir
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
+    deadline, left = time.monotonic() + 30, _processes_with(marker)
+    while left and time.monotonic() < deadline:  # ray.shutdown returns before its last agents exit
+        time.sleep(1)
+        left = _processes_with(marker)
+    del os.environ["AGENTR1_TEST_RAY_MARKER"]
+    assert left == [], f"Ray processes outlived the module's cluster: {left}"
+
+
+def _processes_with(marker: str) -> list[str]:
+    """Command lines of other processes whose environment holds `marker` (this one and its parents are excluded)."""
+    own = {os.getpid(), os.getppid()}
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if int(environ.parent.name) not in own and marker.encode() in environ.read_bytes():
+                found.append(environ.with_name("cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+        except OSError:  # gone meanwhile
+            continue
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +141,9 @@ def test_a_replica_killed_mid_rollout_is_retried_on_the_other(ray_cluster, task,
         router = ReplicaRouter(pool, generate_timeout_s=120)
         steps = _rollout(task, router)
         assert [r.alive for r in pool.replicas] == [False, True]
+        pool.sync(task[4], 1)  # the next sync replaces the dead replica, started on the new weights
+        assert [r.alive for r in pool.replicas] == [True, True]
+        assert ray.get([r.actor.version.remote() for r in pool.replicas]) == [1, 1]
     finally:
         pool.shutdown()
     _same_episodes(in_process_steps, steps)  # seeds travel with the prompts: the retry samples the same
