@@ -1,6 +1,6 @@
 """Inference replicas on a local Ray cluster (docs/scale-out.md): routing, retries, weight sync.
 
-One Ray instance for the module (2 cores, 4 logical CPUs, no dashboard, its session folder in a
+One Ray instance for the module (2 CPUs, no dashboard, its session folder in a
 temporary directory). Replicas are real Ray actors with real hf engines on a tiny checkpoint;
 failures come from failpoints inside the replica process (a SIGKILL, or a thread that stops
 answering), passed to the actors through the environment at start.
@@ -48,7 +48,7 @@ def ray_cluster():
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     marker = os.environ["AGENTR1_TEST_RAY_MARKER"] = f"agentr1-ray-{uuid.uuid4().hex}"  # inherited by Ray's processes
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 1024**2, logging_level="ERROR",
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2, logging_level="ERROR",
              _temp_dir=temp_dir)
     yield temp_dir
     ray.shutdown()

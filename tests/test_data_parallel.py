@@ -4,7 +4,8 @@ Two spawned processes on 127.0.0.1 run the same cases as this process does alone
 a 2-worker step must give the 1-worker parameters and metrics for every loss aggregation mode,
 with the ranks holding different numbers of micro-batches (5 of them: 3 and 2; one case gives
 rank 1 none at all). Plain SGD with lr 1 makes the parameter change the gradient itself, so a
-gradient averaged instead of summed, or not reduced at all, fails. The processes are spawned once
+gradient averaged instead of summed, or not reduced at all, fails. The gradients must travel
+through torch's DistributedDataParallel (its comm hook is counted). The processes are spawned once
 per module and bounded by timeouts, so a hung collective fails the test instead of blocking it.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import socket
 import time
+import weakref
 from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 
 from agent_core.progress import reporting_to
 from agent_core.training.batches import make_micro_batches
@@ -108,17 +111,57 @@ def _skip_case(dp: DataParallel) -> dict:
             "grads_cleared": all(p.grad is None for p in model.parameters())}
 
 
+class _HandMade(torch.nn.Module):
+    """Parameters with hand-set gradients; a forward that reaches only one of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Parameter(torch.zeros(3))
+        self.only_rank0 = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))  # its own dtype bucket
+        self.unused = torch.nn.Parameter(torch.zeros(4))
+        self.frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+
+    def forward(self, input_ids, attention_mask):
+        return self.shared.sum() * input_ids.sum()
+
+
 def _collective_case(dp: DataParallel) -> dict:
-    """sum_floats, any_rank and all_reduce_gradients on hand-made values."""
-    shared = torch.nn.Parameter(torch.zeros(3))
-    shared.grad = torch.full((3,), float(dp.rank + 1))  # 1 and 2: sum 3
-    only_rank0 = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))  # its own dtype bucket
-    only_rank0.grad = torch.tensor([1.5, -2.0], dtype=torch.float64) if dp.rank == 0 else None
-    unused = torch.nn.Parameter(torch.zeros(4))  # no grad on any rank: stays None
-    dp.all_reduce_gradients([shared, only_rank0, unused])
+    """sum_floats, any_rank and sum_gradients on hand-made values."""
+    module = _HandMade()
+    module.shared.grad = torch.full((3,), float(dp.rank + 1))  # 1 and 2: sum 3
+    module.only_rank0.grad = torch.tensor([1.5, -2.0], dtype=torch.float64) if dp.rank == 0 else None
+    # unused: no grad on any rank, stays None; frozen: not trainable, DDP leaves it alone
+    dp.sum_gradients(module)
     return {"sum_floats": dp.sum_floats([float(dp.rank), 1.0, 0.25]), "any_rank1": dp.any_rank(dp.rank == 1),
-            "any_none": dp.any_rank(False), "shared": shared.grad.tolist(), "only_rank0": only_rank0.grad.tolist(),
-            "unused_is_none": unused.grad is None, "shard": dp.shard(list(range(7)))}
+            "any_none": dp.any_rank(False), "shared": module.shared.grad.tolist(),
+            "only_rank0": module.only_rank0.grad.tolist(), "unused_is_none": module.unused.grad is None,
+            "frozen_is_none": module.frozen.grad is None, "still_training": module.training,
+            "shard": dp.shard(list(range(7)))}
+
+
+def _ddp_case(dp: DataParallel) -> dict:
+    """One data-parallel PPO step with DDP's comm hook counted: its buckets carry every gradient."""
+    buckets, wrappers = [], []
+    register = DistributedDataParallel.register_comm_hook
+
+    def counting_register(ddp, state, hook):
+        wrappers.append(weakref.ref(ddp))
+
+        def counted(state, bucket):
+            buckets.append(bucket.buffer().numel())
+            return hook(state, bucket)
+        return register(ddp, state, counted)
+
+    model = tiny_llama(0)
+    DistributedDataParallel.register_comm_hook = counting_register
+    try:
+        result = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), full_steps(SEED),
+                            replace(UPDATE, micro_batch_tokens=MICRO_BATCH_TOKENS), pad_id=PAD, dp=dp)
+    finally:
+        DistributedDataParallel.register_comm_hook = register
+    return {"skipped": result.skipped, "bucket_elements": sum(buckets), "buckets": len(buckets),
+            "trainable_elements": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "wrappers": len(wrappers), "wrappers_freed": all(w() is None for w in wrappers)}
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -129,7 +172,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     try:
         dp = DataParallel.from_process_group()
         out = {"dp": (dp.rank, dp.world_size), "cases": run_cases(dp), "skip": _skip_case(dp),
-               "collectives": _collective_case(dp)}
+               "collectives": _collective_case(dp), "ddp": _ddp_case(dp)}
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -226,7 +269,16 @@ def test_collectives_sum_over_ranks(ranks):
         assert out["shared"] == [3.0, 3.0, 3.0]
         assert out["only_rank0"] == [1.5, -2.0]  # a rank without the grad joins with zeros
         assert out["unused_is_none"]  # no grad anywhere: None, so the optimizer skips it as in one process
+        assert out["frozen_is_none"] and out["still_training"]
         assert out["shard"] == [rank, rank + 2, rank + 4] + ([rank + 6] if rank == 0 else [])
+
+
+def test_the_gradients_are_summed_by_torch_distributed_data_parallel(ranks):
+    for out in (r["ddp"] for r in ranks):
+        assert not out["skipped"]
+        assert out["buckets"] >= 1  # DDP's reducer ran the comm hook: the sync went through DDP
+        assert out["bucket_elements"] == out["trainable_elements"]  # every gradient, once, in one step
+        assert out["wrappers"] == 1 and out["wrappers_freed"]  # one DDP for the step's sync, then gone
 
 
 def test_one_worker_data_parallel_is_the_single_process_step():

@@ -62,7 +62,8 @@ def cluster_run(tmp_path_factory):
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must fit 107 bytes
     marker = f"agentr1-test-{uuid.uuid4().hex}"
     env = {**os.environ, "AGENTR1_RAY_TEMP_DIR": temp_dir, "AGENTR1_TEST_MARKER": marker, "RAY_AUTH_MODE": "disabled"}
-    overrides = ["cluster.address=local", "cluster.num_cpus=4", "cluster.rollout_replicas=2",
+    overrides = ["cluster.address=local", "cluster.num_cpus=2", "cluster.rollout_replicas=2", "cluster.replica_cpus=0.5",
+                 "cluster.worker_cpus=0.5",
                  "cluster.trainer_workers=2", "iterations=3", "trainer.max_staleness=1", "trainer.epochs=30",
                  "dev_eval.every=0"]
     command = [AGENTR1, "train", "--config", "tiny", "--data-root", str(data_root), "--run-id", RUN_ID]

@@ -1,26 +1,39 @@
 """Exact data parallelism for the PPO trainer over a torch.distributed process group.
 
-``DataParallel`` says which worker this process is (rank of world_size) and does the few
-collectives an optimizer step needs: summing gradients, summing metric totals and agreeing on a
-skip. The trainer (``agent_core.training.trainer``) takes ``dp: DataParallel | None``; None (the
-``SINGLE`` convention) is one process: today's behaviour with no collective at all.
+``DataParallel`` says which worker this process is (rank of world_size), which share of a step's
+micro-batches it runs, and does the step's collectives: the gradient sum (through torch's
+``DistributedDataParallel``), summing metric totals and agreeing on a skip. The trainer
+(``agent_core.training.trainer``) takes ``dp: DataParallel | None``; None (the ``SINGLE``
+convention) is one process: today's behaviour with no collective at all.
 
-Where this differs from ``torch.nn.parallel.DistributedDataParallel`` and why:
+Our part is the sharding; torch's DDP does the gradient sync:
 
 - The shard is a set of MICRO-BATCHES of one optimizer step, not a per-rank data loader. Every
   rank builds the same micro-batches and the same loss normalizers over the whole step
-  (``agent_core.training.prepared``), runs forward + backward on ``shard`` of them, and the
-  gradients are SUMMED (not averaged): each micro-batch loss is already divided by the step's
-  global token/sequence counts, so the sum over ranks is exactly the 1-worker gradient for every
-  loss aggregation mode. DDP averages per-rank means, which is exact only for equal-sized shards
-  of a token mean, and ranks may hold different numbers of micro-batches here.
-- Gradients are reduced once per optimizer step after all local micro-batches (like DDP's
-  ``no_sync`` for accumulation), before gradient clipping, so every rank clips and steps the same.
-- No module wrapping and no autograd hooks: the model stays a plain module (scoring, checkpoints
-  and the critic work unchanged), and a rank with no micro-batch, or a parameter no rank used,
-  still takes part in the same collectives in the same order.
-- The skip decision (a non-finite loss or output on any rank) is agreed by a collective, so the
-  ranks never diverge: either all step or none does.
+  (``agent_core.training.prepared``) and runs forward + backward on ``shard`` of them, on the
+  plain (unwrapped) module: its gradients accumulate locally, as under DDP's ``no_sync``. Each
+  micro-batch loss is already divided by the step's global token/sequence counts, so the SUM of
+  the ranks' gradients is exactly the 1-worker gradient for every loss aggregation mode, whatever
+  number of micro-batches each rank holds (none included). DDP's own reduction AVERAGES, which is
+  exact only for equal shards of a token mean.
+- ``sum_gradients`` then wraps the module in ``torch.nn.parallel.DistributedDataParallel`` for
+  one synchronising backward per step on every rank: a 1-token forward through the wrapper arms
+  its reducer and a zero-valued function of every trainable parameter fires each parameter's
+  hook once, so DDP all-reduces its buckets as they fill and copies back the sum of what the
+  micro-batches accumulated (a comm hook all-reduces with SUM: no division by the world size, no
+  rounding beyond the sum's own). This works the same on a rank that ran no micro-batch and
+  whatever the forward reaches. It runs once per step, after all
+  local micro-batches and before gradient clipping, so every rank clips and steps the same.
+- A parameter with no gradient on ANY rank gets None back (the zero-valued pass gives it a zero
+  gradient; a flag sum before the sync names those), so the optimizer skips it exactly as in one
+  process (AdamW would otherwise decay it and advance its moments).
+- The wrapper lives for one sync: the module stays a plain module between steps (scoring,
+  checkpoints, the critic and its optimizer see no wrapper), and its construction makes no
+  collective (``init_sync=False``: the ranks hold equal weights by construction, the same start
+  and the same summed steps; no per-iteration broadcast of the model) and costs about a
+  millisecond.
+- The skip decision (a non-finite loss or output on any rank) is agreed by a collective before
+  any gradient sync, so the ranks never diverge: either all step or none does.
 
 Pure torch.distributed (gloo on CPU, NCCL on GPU); the launcher (torchrun, Ray, a test's spawn)
 creates the process group.
@@ -29,14 +42,27 @@ creates the process group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 T = TypeVar("T")
 
 SINGLE = None  # dp=SINGLE (None): one process, no collectives
+
+
+def _sum_bucket(group, bucket):
+    """DDP comm hook (state: the process group): the bucket's gradients SUMMED over ranks.
+
+    DDP's default hook divides by the world size; this is default_hooks.allreduce_hook without the
+    division. Returns a torch.futures.Future[torch.Tensor] holding the summed bucket. (Not
+    annotated: DDP checks the annotations, which this module's postponed evaluation turns into
+    strings.)
+    """
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 @dataclass(frozen=True)
@@ -82,38 +108,38 @@ class DataParallel:
         """True on every rank when `flag` is true on any rank."""
         return self.sum_floats([1.0 if flag else 0.0])[0] > 0
 
-    def all_reduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """Replace each parameter's .grad by its sum over all ranks (one all_reduce per dtype/device).
+    def sum_gradients(self, module: torch.nn.Module) -> None:
+        """Replace the .grad of each trainable parameter of `module` by its sum over all ranks, through
+        torch's DistributedDataParallel (module docstring); a no-op for one worker.
 
-        Every rank must pass the same parameters in the same order. A missing grad counts as zeros
-        (a rank that ran no micro-batch still joins); a parameter that had no grad on ANY rank gets
-        None back, as in one process, so the optimizer skips it exactly as it would there.
+        Every rank calls it once per step with the same module (equal weights), after its local
+        backward passes. `module` is a token model: ``module(input_ids=..., attention_mask=...)``
+        (a causal LM, the critic's ValueModel); its output is not used. A missing grad counts as
+        zeros (a rank that ran no micro-batch still joins); a parameter that had no grad on ANY
+        rank gets None back, as in one process. The module's train/eval mode is kept.
         """
-        if self.world_size == 1:
+        params = [p for p in module.parameters() if p.requires_grad]  # DDP's parameters, in its order
+        if self.world_size == 1 or not params:
             return
-        buckets: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
-        for p in params:  # insertion order = parameter order: the same on every rank
-            buckets.setdefault((p.device, p.dtype), []).append(p)
-        for bucket in buckets.values():
-            self._reduce_bucket(bucket)
-
-    def _reduce_bucket(self, params: list[torch.nn.Parameter]) -> None:
-        # One flat buffer: the gradients, then a 1/0 "had a grad" flag per parameter (summed with them).
-        reference = params[0]
-        flat = [torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if p.grad is None else p.grad.reshape(-1)
-                for p in params]
-        flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=reference.dtype,
-                             device=reference.device)
-        buffer = torch.cat(flat + [flags])
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
-        offset = 0
-        had_grad = buffer[-len(params):] > 0
-        for p, used in zip(params, had_grad.tolist()):
-            summed = buffer[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if not used:
+        had_grad = self.sum_floats([float(p.grad is not None) for p in params])
+        device = params[0].device
+        device_ids = None
+        if device.type == "cuda":
+            device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
+        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=self.group, init_sync=False,
+                                      forward_sync_buffers=False)  # the buffers are equal: nothing to broadcast
+        ddp.register_comm_hook(self.group, _sum_bucket)
+        was_training = module.training
+        module.eval()  # no dropout draw, no activation checkpointing: the output is thrown away
+        try:
+            with torch.enable_grad():
+                token = torch.zeros(1, 1, dtype=torch.long, device=device)
+                ddp(input_ids=token, attention_mask=torch.ones_like(token))  # arms DDP's reducer for one backward
+                # One backward that reaches every parameter exactly once, adding zero: DDP's hooks
+                # fire, and its buckets are all-reduced (summed) and copied back into .grad.
+                torch.autograd.backward([p.sum() * 0 for p in params])
+        finally:
+            module.train(was_training)
+        for p, count in zip(params, had_grad):
+            if count == 0:
                 p.grad = None
-            elif p.grad is None:
-                p.grad = summed.clone()
-            else:
-                p.grad.copy_(summed)

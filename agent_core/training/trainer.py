@@ -26,11 +26,13 @@ have a reference log-prob.
 
 Data parallelism (``dp``, agent_core.training.data_parallel; None = one process, no collectives):
 every rank prepares the whole step (same micro-batches, same global normalizers) but runs
-forward + backward only on its ``dp.shard`` of the micro-batches; the ranks then agree on a skip
-(any rank's non-finite loss skips the step everywhere), sum their gradients before clipping and sum
-their metric totals. So W workers take the same step, with the same metrics, as one worker on the
-same sequences, for every loss aggregation mode (float tolerance; tokens_per_s is the total
-throughput over this rank's wall time).
+forward + backward only on its ``dp.shard`` of the micro-batches, on the plain module (gradients
+accumulate locally); the ranks then agree on a skip (any rank's non-finite loss skips the step
+everywhere), sum their gradients before clipping through torch's DistributedDataParallel (one
+synchronising backward per step, a SUM comm hook: ``DataParallel.sum_gradients``) and sum their
+metric totals. So W workers take the same step, with the same metrics, as one worker on the same
+sequences, for every loss aggregation mode (float tolerance; tokens_per_s is the total throughput
+over this rank's wall time).
 """
 
 from __future__ import annotations
@@ -205,8 +207,9 @@ def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad
 
     inputs: the batch tensors this module's loss reads; any nan/inf there skips the step before a
     forward pass (every rank checks all batches, so all agree without a collective). With `dp`
-    only this rank's micro-batches run and the gradients are summed over ranks before clipping,
-    so every rank clips and steps identically. Returns (grad norm, skip reason or None).
+    only this rank's micro-batches run (on the plain module) and the gradients are summed over
+    ranks by torch's DDP before clipping (``DataParallel.sum_gradients``), so every rank clips and
+    steps identically. Returns (grad norm, skip reason or None).
     Gradients are cleared either way; the module gets its previous train/eval mode back.
     """
     was_training = module.training
@@ -217,9 +220,9 @@ def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad
         skip_reason = (nonfinite_inputs(prep.batches, inputs)
                        or _micro_batches_skip_reason(prep, micro_step, count_progress, dp))
         if skip_reason is None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
             if dp is not None:
-                dp.all_reduce_gradients(params)
+                dp.sum_gradients(module)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
             limit = math.inf if max_grad_norm is None else max_grad_norm
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
             if math.isfinite(grad_norm):
