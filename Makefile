@@ -84,7 +84,7 @@ vllm: $(VLLM_STAMP)
 # `make bench BENCH_ARGS=--quick` is a smoke run at tiny sizes (results and page in a temporary folder).
 # A full run needs vLLM (rollout), TRL (trl_compare) and SmolLM2 (trl_compare, memory): about an hour on 2 cores.
 BENCH_ARGS ?=
-bench: $(STAMP) vllm trl smollm2
+bench: $(STAMP) vllm trl smollm2 ray
 	$(PY) -m bench.run_all $(BENCH_ARGS)
 
 # TRL, for bench/trl_compare.py (its GRPOTrainer is the baseline), in its own virtualenv too: its

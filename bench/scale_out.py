@@ -14,7 +14,7 @@ and 2 training workers fit; the machine's cores are what they are, see below):
   (below 1: what a replica costs over calling the engine in-process: Ray calls, pickling, the
   split); ``rollout_replicas_vs_threads`` = (b) / (d) (the two ways to use 2 cores). The pools
   start once and are reused; each round runs every arm once (order reversed every other round),
-  after one untimed warm-up each, and the median of --repeats rounds is used. Start-up seconds
+  after one untimed full-size warm-up each, and the median of --repeats rounds is used. Start-up seconds
   of a pool of 1 and of 2 replicas are details.
 - Training. One iteration's training job (tasks/train.py's `_job` on the steps of a small
   `agentr1 train --config tiny` run, with random advantages so every token carries a gradient)
@@ -62,7 +62,7 @@ NAME = "scale_out"
 TITLE = "Scale-out: replicas, data-parallel workers, weight sync (local Ray)"
 RUN_ID = "bench"
 QUICK = dict(prompts=2, group_size=2, max_steps=2, max_new_tokens=8, repeats=1, syncs=2,
-             train_prompts=3, train_group_size=2, vllm=False)
+             train_prompts=3, train_group_size=2, train_epochs=1, vllm=False)
 
 
 def arguments(argv: list[str] | None):
@@ -74,11 +74,11 @@ def arguments(argv: list[str] | None):
     parser.add_argument("--max-batch-size", type=int, default=64, help="sequences per hf forward pass")
     parser.add_argument("--hidden-size", type=int, default=64, help="policy hidden size (head size 32: vLLM's CPU minimum)")
     parser.add_argument("--num-layers", type=int, default=2, help="policy layers")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating timed rounds per part (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating timed rounds per part (median)")
     parser.add_argument("--syncs", type=int, default=6, help="timed weight syncs per pool (median)")
     parser.add_argument("--train-prompts", type=int, default=16, help="prompts of the run whose steps are trained")
     parser.add_argument("--train-group-size", type=int, default=4, help="episodes per prompt of that run")
-    parser.add_argument("--train-epochs", type=int, default=1, help="passes over the steps per training job")
+    parser.add_argument("--train-epochs", type=int, default=2, help="passes over the steps per training job")
     parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the weight sync of 2 vLLM replicas (default on; off with --quick)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task, the weights and the sampling")
@@ -121,7 +121,9 @@ class Rollout:
         return self.run(engine, prompts=a.prompts, group_size=a.group_size, max_steps=a.max_steps)
 
     def warm_up(self, engine) -> None:
-        self.run(engine, prompts=1, group_size=2, max_steps=1, prefix="warmup-")
+        """One untimed rollout of the timed size (allocator, kernels, the replicas' first calls)."""
+        a = self.args
+        self.run(engine, prompts=a.prompts, group_size=a.group_size, max_steps=a.max_steps, prefix="warmup-")
 
 
 class InProcess:
@@ -393,6 +395,7 @@ def training_part(data_root: Path, out: Path, args, progress: Progress, groups: 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     progress = Progress(NAME)
+    load_before = os.getloadavg()[0]
     os.environ["RAY_AUTH_MODE"] = "disabled"
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars from every actor
     ray_temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
@@ -432,13 +435,18 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(ray_temp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     config = {k: v for k, v in vars(args).items() if k not in ("results_dir",)}
+    load_after = os.getloadavg()[0]
     write_result(NAME, TITLE, measurements, seconds=progress.elapsed, config=config, results_dir=args.results_dir,
                  argv=argv, data_root=work, notes=(
                      f"{os.cpu_count()} cores; Ray local with 4 logical CPUs; hf replicas and training workers 1 torch "
                      f"thread each. Rollout: {args.prompts} prompts x {args.group_size} episodes, max {args.max_steps} "
                      f"steps x {args.max_new_tokens} tokens, policy hidden {args.hidden_size} x {args.num_layers} "
                      f"layers; medians of {args.repeats} alternating rounds after a warm-up. No goals: with 2 cores "
-                     "the driver, the env and Ray share the cores the replicas/workers use."))
+                     "the driver, the env and Ray share the cores the replicas/workers use. The 2-thread in-process "
+                     "arms are the most sensitive to other load (torch's OpenMP threads spin-wait, and an op stalls "
+                     "while one of its 2 threads is descheduled): see their per-round numbers. 1-minute load "
+                     f"average {load_before:.2f} at the start, {load_after:.2f} at the end (this script alone keeps "
+                     "about 1-2 busy; more means other work shared the cores)."))
     return 0
 
 
