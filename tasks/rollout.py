@@ -57,4 +57,7 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     episodes = len(prompts) * cfg.group_size
     log.info("iteration %d: %d episodes, %d steps, %d generated tokens", iteration, episodes, len(records),
              sum(len(r.response_ids) for r in records))
+    if retried := sum(1 for r in records if r.retries):
+        log.warning("iteration %d: %d steps were generated again after a replica failed (steps.retries, "
+                    "steps.served_by)", iteration, retried)
     return uri

@@ -217,3 +217,25 @@ def test_staleness_one_overlaps_rollout_and_training_without_a_cluster_too(tmp_p
     for k in (0, 1):
         trained = [m for m in metrics if m["iteration"] == k][0]
         assert trained["started_at"] < min(s["generated_at"] for s in steps if s["iteration"] == k + 1) < trained["finished_at"]
+
+
+def test_a_training_worker_error_is_raised_as_itself_and_stops_the_group(cluster_run, tmp_path):
+    from agent_core.cluster.runtime import ClusterSpec, connect, disconnect
+    from agent_core.cluster.trainers import TrainerGroup, TrainerSpec
+    from agent_core.io.checkpoints import CheckpointError
+
+    data_root, _, _ = cluster_run
+    job = _job(DataRoot(data_root).run(RUN_ID), 0, tmp_path, "token-mean")
+    broken = dataclasses.replace(job, policy_dir=str(tmp_path / "no-such-policy"))
+    os.environ.setdefault("AGENTR1_RAY_TEMP_DIR", tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    connect(ClusterSpec("local", num_cpus=2))
+    try:
+        group = TrainerGroup(TrainerSpec(workers=2))
+        with pytest.raises(CheckpointError, match="no-such-policy does not exist"):
+            group.train(broken)
+        ray = _ray()
+        with pytest.raises(ray.exceptions.RayActorError):  # stopped: its workers are gone
+            ray.get(group.workers[0].address.remote(), timeout=60)
+    finally:
+        disconnect()
+    assert not Path(job.checkpoint_dir).exists()  # nothing written

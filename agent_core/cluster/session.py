@@ -54,7 +54,13 @@ def train_on_cluster(cluster: ClusterSpec, spec: TrainerSpec, job: TrainJob):
         if _trainers is None:
             _trainers = TrainerGroup(spec)
         trainers = _trainers
-    return trainers.train(job)
+    try:
+        return trainers.train(job)
+    except BaseException:
+        with _lock:  # a failed step stops the group (TrainerGroup.train): the next one starts afresh
+            if _trainers is trainers:
+                _trainers = None
+        raise
 
 
 def close_cluster() -> None:

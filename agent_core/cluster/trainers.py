@@ -101,9 +101,18 @@ class TrainerGroup:
         log.info("%d training workers joined (%s)", spec.workers, backend)
 
     def train(self, job: TrainJob):
-        """Run `job` on every worker; rank 0's (results, rows). A worker's error is raised as itself."""
+        """Run `job` on every worker; rank 0's (results, rows). A worker's error is raised as itself,
+        at once: the group is stopped first, since the other workers may wait in a collective for it."""
         ray = ray_module()
-        outcomes = ray.get([w.train.remote(job) for w in self.workers])
+        pending = {w.train.remote(job): rank for rank, w in enumerate(self.workers)}
+        outcomes = {}
+        try:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                outcomes[pending.pop(done[0])] = ray.get(done[0])
+        except BaseException:
+            self.shutdown()
+            raise
         return outcomes[0]
 
     def shutdown(self) -> None:
