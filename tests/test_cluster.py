@@ -275,3 +275,29 @@ def test_two_vllm_replicas_serve_reload_and_stop_their_servers(ray_cluster, task
     finally:
         pool.shutdown()
     assert set(_vllm_processes()) - before == set()
+
+
+@pytest.mark.vllm
+def test_an_external_vllm_server_is_a_replica_that_syncs_but_is_not_stopped(ray_cluster, task, vllm_checkpoints):
+    """cluster.replica_urls: a server someone else runs (here this test, with our worker extension)."""
+    from agent_core.rollout.vllm_server import VLLMServer
+
+    tokenizer = task[1]
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in ("Who directed", "Where was")]
+    expected = [_greedy(ENGINES.get("hf")(Path(folder), OPTIONS), prompts) for folder in vllm_checkpoints]
+    server = VLLMServer(Path(vllm_checkpoints[1]), OPTIONS.max_model_len, OPTIONS.vllm).start()  # holds v1 at first
+    try:
+        spec = ReplicaSpec(engine="vllm", options=OPTIONS, urls=(server.base_url,), sync_timeout_s=120)
+        pool = ReplicaPool(spec, vllm_checkpoints[0], 0)  # the replica loads v0 into it
+        try:
+            router = ReplicaRouter(pool, generate_timeout_s=120, concurrent_calls=2)
+            greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+            assert [g.token_ids for g in router.generate(prompts, greedy, sessions=["a", "b"])] == expected[0]
+            pool.sync(vllm_checkpoints[1], 1)
+            out = router.generate(prompts, greedy, sessions=["a", "b"])
+            assert [g.token_ids for g in out] == expected[1] and {g.policy_version for g in out} == {1}
+        finally:
+            pool.shutdown()
+        assert server.alive  # not ours to stop
+    finally:
+        server.stop()
