@@ -48,6 +48,12 @@ def failpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def failpoint_environment() -> dict[str, str]:
+    """This process's failpoint settings, for a process started elsewhere (a Ray actor does not
+    inherit the driver's environment) so the tests can crash its own code paths too."""
+    return {key: os.environ[key] for key in (FAILPOINT_ENV, TRACE_ENV) if key in os.environ}
+
+
 def _selects(spec: str, name: str, count: int) -> bool:
     target, _, nth = spec.removesuffix("=hang").partition("@")
     return target == name and count == (int(nth) if nth else 1)

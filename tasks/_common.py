@@ -150,7 +150,6 @@ def rollout_engine(cfg: RolloutConfig, cluster: ClusterConfig | None, policy_dir
     if not on_cluster(cluster):
         return ENGINES.get(cfg.engine)(Path(policy_dir), engine_options(cfg))
     from agent_core.cluster.replicas import ReplicaSpec
-    from agent_core.cluster.runtime import ClusterSpec
     from agent_core.cluster.session import rollout_engine as replica_router
 
     spec = ReplicaSpec(engine=cfg.engine, options=engine_options(cfg), count=cluster.rollout_replicas,

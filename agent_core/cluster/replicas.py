@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent_core.cluster.runtime import ClusterError, kill_quietly, ray_module
-from agent_core.failpoints import FAILPOINT_ENV, TRACE_ENV, failpoint
+from agent_core.failpoints import failpoint, failpoint_environment
 from agent_core.rollout.engine import Generation, SamplingParams
 from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 
@@ -108,8 +108,7 @@ class ReplicaWorker:
             old = self._engine
             self._engine = self._build(policy_dir)
             self._version = version
-            if old is not self._engine:
-                close_engine(old)
+            close_engine(old)
         finally:
             with self._gate:
                 self._loading = False
@@ -134,10 +133,6 @@ class Replica:
     alive: bool = True
 
 
-def _failpoint_env() -> dict[str, str]:
-    return {key: os.environ[key] for key in (FAILPOINT_ENV, TRACE_ENV) if key in os.environ}
-
-
 class ReplicaPool:
     """`spec.size` replica actors serving one policy version; `sync` moves them all to the next."""
 
@@ -146,7 +141,6 @@ class ReplicaPool:
         self.version = version
         self.policy_dir = policy_dir
         self.replicas = [self._start(index, policy_dir, version) for index in range(spec.size)]
-        self.sync_seconds: list[float] = []
         ray = ray_module()
         try:  # start-up errors (a bad checkpoint, vLLM missing) surface here, naming the replica
             ray.get([r.actor.version.remote() for r in self.replicas], timeout=spec.start_timeout_s)
@@ -162,7 +156,7 @@ class ReplicaPool:
         concurrency = max(2, self.spec.options.vllm.max_concurrent_calls + 1)
         actor_class = ray.remote(ReplicaWorker).options(
             num_cpus=self.spec.cpus, num_gpus=self.spec.gpus, max_concurrency=concurrency, max_restarts=0)
-        actor = actor_class.remote(name, self.spec, policy_dir, version, url, _failpoint_env())
+        actor = actor_class.remote(name, self.spec, policy_dir, version, url, failpoint_environment())
         return Replica(name, actor)
 
     def living(self) -> list[Replica]:
@@ -196,7 +190,6 @@ class ReplicaPool:
             raise ClusterError(f"weight sync to policy version {version} failed: {'; '.join(failures)}")
         self.version, self.policy_dir = version, policy_dir
         seconds = time.perf_counter() - started
-        self.sync_seconds.append(seconds)
         log.info("weight sync: %d replicas serve policy version %d (%.2f s)", len(self.replicas), version, seconds)
         return seconds
 

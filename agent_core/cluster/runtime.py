@@ -83,14 +83,6 @@ def disconnect() -> None:
         _owned = False
 
 
-def connected() -> bool:
-    try:
-        import ray
-    except ImportError:
-        return False
-    return ray.is_initialized()
-
-
 def kill_quietly(actor) -> None:
     """Stop an actor now (a dead one already is)."""
     ray = ray_module()

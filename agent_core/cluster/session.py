@@ -38,11 +38,6 @@ def rollout_engine(cluster: ClusterSpec, spec: ReplicaSpec, policy_dir: str, ver
     return ReplicaRouter(pool, generate_timeout_s=generate_timeout_s, concurrent_calls=concurrent)
 
 
-def last_sync_seconds() -> float | None:
-    with _lock:
-        return _pool.sync_seconds[-1] if _pool is not None and _pool.sync_seconds else None
-
-
 def train_on_cluster(cluster: ClusterSpec, spec: TrainerSpec, job: TrainJob):
     """`job` on `spec.workers` data-parallel workers (the group is started once per run); rank 0's outcome."""
     global _trainers

@@ -3,7 +3,7 @@ torch.distributed process group (gloo on CPU, NCCL on GPU) (docs/scale-out.md).
 
 Ray places and supervises the processes; torch.distributed moves the gradients
 (agent_core/training/data_parallel.py). The group outlives an iteration, so the process group is
-set up once per run (~5 s), not per training stage. Every worker runs the same
+set up once per run (~3 s), not per training stage. Every worker runs the same
 `run_training(job, dp)`; rank 0 writes the checkpoint.
 """
 
@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass
 
 from agent_core.cluster.runtime import ClusterError, kill_quietly, ray_module
+from agent_core.failpoints import failpoint_environment
 from agent_core.training.iteration import TrainJob
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,11 @@ class TrainerGroup:
             ray.util.remove_placement_group(self.placement)
             raise ClusterError(f"the cluster has no room for {spec.workers} training workers of {bundle} "
                                f"(resources: {ray.available_resources()})") from None
-        env = {k: v for k, v in os.environ.items() if k.startswith("AGENTR1_FAILPOINT")}
         actor_class = ray.remote(TrainerWorker)
         self.workers = [
             actor_class.options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_restarts=0,
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
-                                ).remote(rank, spec.workers, spec.threads, env)
+                                ).remote(rank, spec.workers, spec.threads, failpoint_environment())
             for rank in range(spec.workers)]
         try:
             host, port = ray.get(self.workers[0].address.remote(), timeout=spec.start_timeout_s)
