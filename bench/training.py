@@ -21,6 +21,14 @@ update 2 of every arm, ...), so a slowdown of the machine hits all arms alike:
   whole context (T rows of growing length per episode, O(T^2) tokens); packed = one row.
 
 Each arm gets one untimed warm-up update first (allocator, kernels, AdamW state).
+
+The trainer runs the LM head only at the loss-mask positions (agent_core/training/scoring.py), the
+raw loop at every position, as a plain PyTorch loop would: on a large vocabulary (SmolLM2's 49k,
+`--model-dir`) this is where the trainer gains most. After the timed updates one more trainer
+update and one raw update run under torch.profiler; the ops where the trainer spends more self
+CPU time than the raw loop are in the details (`profile`), and a missed goal names them.
+
+    .venv/bin/python -m bench.training [--quick] [--model-dir data/models/smollm2-135m-instruct]
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from agent_core.training.batches import PaddedBatch, TrainSequence, choose_layout, make_micro_batches
+from agent_core.training.scoring import model_vocab_size, vocab_capped_tokens
 from agent_core.training.settings import PPOSettings
 from agent_core.training.trainer import make_optimizer, train_iteration
 from bench.common import Goal, Measurement, Progress, base_parser, parse_args, write_result
@@ -70,6 +79,10 @@ def arguments(argv: list[str] | None):
     parser.add_argument("--updates", type=int, default=2, help="timed optimizer steps per arm")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="padded tokens per micro-batch")
     parser.add_argument("--policy", choices=sorted(POLICY_SIZES), default="demo", help="policy size")
+    parser.add_argument("--model-dir", default=None,
+                        help="train this checkpoint (e.g. SmolLM2's, `make smollm2`) instead of a random --policy; "
+                        "measurement key trainer-<dir name>")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled update of each arm")
     parser.add_argument("--seed", type=int, default=0, help="seed of the episodes and the initial weights")
     return parse_args(parser, argv, QUICK)
 
@@ -139,14 +152,34 @@ def run_arms(arms: list[Arm], updates: int, progress: Progress) -> None:
             progress(f"update {u + 1}/{updates} {arm.name}: {seconds:.2f}s ({arm.tokens} tokens)")
 
 
-def measurements(trainer: Arm, raw: Arm, steps: Arm) -> list[Measurement]:
+def self_cpu_seconds(update) -> dict[str, float]:
+    """Self CPU seconds per op of one call of `update`, under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        update()
+    return {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+
+
+def profile_difference(trainer: Arm, raw: Arm, top: int = 6) -> dict:
+    """Where the trainer spends more than the raw loop: the ops with the largest extra self CPU time."""
+    ops = {name: self_cpu_seconds(lambda: arm.update(seed=99)) for name, arm in (("trainer", trainer), ("raw", raw))}
+    extra = {op: ops["trainer"].get(op, 0.0) - ops["raw"].get(op, 0.0) for op in set(ops["trainer"]) | set(ops["raw"])}
+    ranked = sorted(extra.items(), key=lambda item: -abs(item[1]))[:top]
+    return {"trainer_seconds": round(sum(ops["trainer"].values()), 3), "raw_seconds": round(sum(ops["raw"].values()), 3),
+            "extra_seconds_by_op": {op: round(seconds, 3) for op, seconds in ranked}}
+
+
+def measurements(trainer: Arm, raw: Arm, steps: Arm, key: str = "trainer",
+                 profile: dict | None = None) -> list[Measurement]:
     t, r, s = trainer.summary(), raw.summary(), steps.summary()
     ratio = t["tokens_per_s"] / r["tokens_per_s"]
-    out = [Measurement("trainer", ratio, TRAINER_GOAL, {"trainer": t, "raw_loop": r})]
+    out = [Measurement(key, ratio, TRAINER_GOAL, {"trainer": t, "raw_loop": r, **({"profile": profile} if profile else {})})]
     if not TRAINER_GOAL.met(ratio):
+        where = ("; under torch.profiler the trainer's extra self CPU seconds per op were "
+                 + ", ".join(f"{op} {sec:+.2f}s" for op, sec in profile["extra_seconds_by_op"].items())) if profile else ""
         out[0].why_missed = (f"train_iteration took {t['seconds']:.2f}s vs {r['seconds']:.2f}s for the raw loop on the "
-                             "same micro-batches: the difference is the trainer's bookkeeping (tensor building from "
-                             "lists, masks and normalizers, entropy/KL metrics, float() syncs per micro-batch).")
+                             f"same micro-batches{where}.")
     packing = s["seconds"] / t["seconds"]
     out.append(Measurement("packed_vs_step", packing, PACKING_GOAL, {
         "packed": t, "step_rows": s, "token_ratio": round(s["tokens_per_update"] / t["tokens_per_update"], 3)}))
@@ -162,13 +195,27 @@ def measurements(trainer: Arm, raw: Arm, steps: Arm) -> list[Measurement]:
     return out
 
 
+def load_model(args, sizes: Sizes):
+    """The model and tokenizer to train: a checkpoint (--model-dir) or a random --policy."""
+    if args.model_dir:
+        from pathlib import Path
+
+        from agent_core.io.checkpoints import load_policy
+
+        return load_policy(Path(args.model_dir))
+    return tiny_policy(synthetic_task(args.seed, small=True), POLICY_SIZES[sizes.policy], seed=args.seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     progress = Progress(NAME)
-    sizes = Sizes(args.episodes, args.steps, args.prompt_len, args.response_len, args.obs_len, args.updates,
-                  args.micro_batch_tokens, args.policy)
     torch.manual_seed(args.seed)
-    model, tokenizer = tiny_policy(synthetic_task(args.seed, small=True), POLICY_SIZES[sizes.policy], seed=args.seed)
+    model, tokenizer = load_model(args, None if args.model_dir else Sizes(0, 0, 0, 0, 0, 0, 0, args.policy))
+    # both arms get the micro-batches the trainer makes: capped by tokens x vocabulary (SmolLM2: 1365 tokens)
+    micro_batch_tokens = vocab_capped_tokens(args.micro_batch_tokens, model_vocab_size(model))
+    policy = f"dir:{args.model_dir.rstrip('/').split('/')[-1]}" if args.model_dir else args.policy
+    sizes = Sizes(args.episodes, args.steps, args.prompt_len, args.response_len, args.obs_len, args.updates,
+                  micro_batch_tokens, policy)
     episodes = append_only_episodes(sizes.episodes, steps=sizes.steps, prompt_len=sizes.prompt_len,
                                     response_len=sizes.response_len, obs_len=sizes.obs_len,
                                     vocab_size=len(tokenizer), seed=args.seed)
@@ -179,10 +226,15 @@ def main(argv: list[str] | None = None) -> int:
             Arm("trainer/step", model, step_rows, pad, sizes, raw=False)]
     progress(f"{sizes.episodes} episodes x {sizes.steps} steps: {len(packed)} packed rows ({arms[0].tokens} tokens), "
              f"{len(step_rows)} step rows ({arms[2].tokens} tokens), policy {sizes.policy} "
-             f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+             f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters), {micro_batch_tokens} tokens "
+             "per micro-batch")
     run_arms(arms, sizes.updates, progress)
-    write_result(NAME, TITLE, measurements(*arms), seconds=progress.elapsed, config=asdict(sizes),
-                 results_dir=args.results_dir, argv=argv, notes=(
+    profile = None if args.no_profile else profile_difference(arms[0], arms[1])
+    if profile:
+        progress(f"profiled: trainer {profile['trainer_seconds']}s, raw {profile['raw_seconds']}s of self CPU time")
+    key = f"trainer-{policy.split(':')[-1]}" if args.model_dir else "trainer"
+    write_result(NAME, TITLE, measurements(*arms, key=key, profile=profile), seconds=progress.elapsed,
+                 config=asdict(sizes), results_dir=args.results_dir, argv=argv, notes=(
                      f"torch threads: {torch.get_num_threads()}. Ratios from {sizes.updates} alternating timed "
                      "updates per arm after one warm-up update."))
     return 0

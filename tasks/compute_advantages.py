@@ -59,7 +59,8 @@ def _reference_logprobs(run: RunLayout, rows: Sequence[dict], micro_batch_tokens
     """The frozen reference policy's log-probs of each step's response tokens."""
     reference, tokenizer = load_policy(run.reference_policy_dir)
     sequences = [r["prompt_ids"] + r["response_ids"] for r in rows]
-    scored = score_logprobs(reference, sequences, tokenizer.pad_token_id, micro_batch_tokens, temperature)
+    scored = score_logprobs(reference, sequences, tokenizer.pad_token_id, micro_batch_tokens, temperature,
+                            starts=[len(r["prompt_ids"]) for r in rows])  # only the responses get logits
     return [per_token[len(r["prompt_ids"]):] for r, per_token in zip(rows, scored)]
 
 

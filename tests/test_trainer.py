@@ -247,7 +247,7 @@ def test_recomputed_old_logprobs_start_on_policy_and_rollout_ones_do_not():
         settings = replace(ITERATION, clip_low=0.01, clip_high=0.01, recompute_old_logprobs=recompute)
         first[recompute] = train_iteration(model, make_optimizer(model, lr=1e-3), steps, settings, pad_id=PAD)[0]
     assert first[True].kl == pytest.approx(0.0, abs=1e-6) and first[True].clipfrac == 0.0
-    assert first[False].kl > 1e-3 and first[False].clipfrac > 0.5
+    assert first[False].kl > 1e-3 and first[False].clipfrac >= 0.5  # 6 of its 12 tokens
 
 
 def test_kl_to_the_reference_is_measured_and_its_term_moves_the_gradient():

@@ -82,4 +82,5 @@ def score_values(
     critic: ValueModel, sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int
 ) -> list[list[float]]:
     """Per-token values of each token sequence (position 0: 0.0), micro-batched by tokens, no grad."""
-    return score_in_micro_batches(sequences, pad_id, max_tokens, critic.values, critic)
+    return score_in_micro_batches(sequences, pad_id, max_tokens,
+                                  lambda batch: critic.values(batch.input_ids, batch.attention_mask), critic)

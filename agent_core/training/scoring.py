@@ -4,6 +4,13 @@ Alignment everywhere: position t holds the value for token t itself (its log-pro
 < t); position 0 has no context and holds 0. `score_logprobs` / `score_in_micro_batches` are the
 no-grad, eval-mode, token-budgeted scorers the advantages stage uses for reference log-probs and
 critic values; the trainer uses `sequence_logprobs` with gradients.
+
+Logits only where they are needed: given `positions` (the tokens whose log-prob enters a loss),
+`sequence_logprobs` runs the model's backbone once and its LM head only on the hidden states that
+predict those tokens, so no [B, L, V] logits exist (TRL keeps only completion logits the same
+way). For SmolLM2 (49k vocabulary) the head is ~20% of a token's forward FLOPs and its fp32
+logits 192 KiB per token per copy. This needs a model whose logits are exactly
+head(backbone(...)) (`split_lm_head`: known plain-head architectures); others get full logits.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from agent_core.algos.losses import entropy_from_logits
-from agent_core.training.batches import TrainSequence, pad_sequences, token_budget_groups
+from agent_core.training.batches import PaddedBatch, TrainSequence, pad_sequences, token_budget_groups
 
 
 # Default cap on tokens x vocab of one micro-batch: 2**26 fp32 logits = 256 MiB per copy. A training
@@ -30,6 +37,22 @@ def vocab_capped_tokens(max_tokens: int, vocab_size: int, max_logit_elements: in
 
 def model_vocab_size(model: torch.nn.Module) -> int:
     return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+
+
+# Architectures whose CausalLM logits are lm_head(base_model(...).last_hidden_state), nothing after
+# (no soft-capping or logit scaling), so scoring a subset of positions gives the same numbers.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "olmo", "olmo2"})
+
+
+def split_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(backbone, LM head) of a causal LM with a plain head, else None (score with full logits)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    backbone, head = getattr(model, "base_model", None), model.get_output_embeddings()
+    if backbone is None or backbone is model or head is None:
+        return None
+    return backbone, head
 
 
 def _shifted_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -54,6 +77,7 @@ def sequence_logprobs(
     *,
     temperature: float = 1.0,
     entropy_grad: bool = True,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies of a causal LM, both float32 [B, L].
 
@@ -61,10 +85,16 @@ def sequence_logprobs(
     softmax(logits / temperature), and the entropy of that distribution; position 0 (no context)
     and padding positions hold 0. entropy_grad=False computes the entropy without autograd
     (row by row, bounding memory) when it is only a metric.
+    positions: optional bool [B, L], the tokens whose values are needed (a loss mask). With a
+    plain-head model (``split_lm_head``) only they get logits and every other position holds 0;
+    their values equal the full computation's (same gradients too). None: every position.
     Memory: log p is logit[target] - logsumexp(logits), so no [B, L, V] log-softmax is built; the
     only full-size copies are the temperature division / float32 upcast (skipped when not needed)
     and the softmax inside the entropy.
     """
+    split = split_lm_head(model) if positions is not None else None
+    if split is not None:
+        return _selected_logprobs(*split, input_ids, attention_mask, positions, temperature, entropy_grad)
     scores = _shifted_scores(model, input_ids, attention_mask, temperature)
     token_logprobs = scores.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
     if entropy_grad:
@@ -75,14 +105,43 @@ def sequence_logprobs(
     return _with_first_position(token_logprobs, attention_mask), _with_first_position(entropy, attention_mask)
 
 
+def _selected_logprobs(backbone: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor,
+                       attention_mask: torch.Tensor, positions: torch.Tensor, temperature: float,
+                       entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logprobs` with the LM head run only on the hidden states that predict `positions`."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    targets = (positions[:, 1:] > 0) & (attention_mask[:, 1:] > 0)  # token t is predicted by hidden state t - 1
+    scores = head(hidden[:, :-1][targets])  # [N, V], N = selected tokens
+    if scores.dtype != torch.float32:
+        scores = scores.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    picked = scores.gather(-1, input_ids[:, 1:][targets].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+    if entropy_grad:
+        entropy = entropy_from_logits(scores)
+    else:
+        with torch.no_grad():
+            entropy = entropy_from_logits(scores.detach())
+    return _placed(picked, targets, attention_mask), _placed(entropy, targets, attention_mask)
+
+
+def _placed(values: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[N] values of the selected tokens -> [B, L] (row-major, as boolean indexing took them; 0 elsewhere)."""
+    return _with_first_position(values.new_zeros(targets.shape).masked_scatter(targets, values), attention_mask)
+
+
 def score_in_micro_batches(
     sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int,
-    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], module: torch.nn.Module,
+    score: Callable[[PaddedBatch], torch.Tensor], module: torch.nn.Module,
+    starts: Sequence[int] | None = None,
 ) -> list[list[float]]:
     """No-grad, eval-mode per-token scores [B, L] -> one list per sequence (same length as it).
 
-    Sequences are grouped into right-padded micro-batches of <= max_tokens padded tokens; the
-    module's train/eval mode is restored afterwards.
+    Sequences are grouped into right-padded micro-batches of <= max_tokens padded tokens; `score`
+    gets each as a PaddedBatch whose response_start holds `starts` (the first position a caller
+    needs; default: 1). The module's train/eval mode is restored afterwards.
     """
     device = next(module.parameters()).device
     out: list[list[float]] = [[] for _ in sequences]
@@ -92,9 +151,10 @@ def score_in_micro_batches(
         with torch.no_grad():
             for group in token_budget_groups([len(s) for s in sequences], max_tokens):
                 rows = [TrainSequence(list(sequences[i]), [0] * len(sequences[i]), [0.0] * len(sequences[i]),
-                                      [0.0] * len(sequences[i])) for i in group]
-                batch = pad_sequences(rows, tuple(group), pad_id).to(device)
-                scores = score(batch.input_ids, batch.attention_mask).float().cpu()
+                                      [0.0] * len(sequences[i]), response_start=min(
+                                          len(sequences[i]), max(1, 1 if starts is None else starts[i])))
+                        for i in group]
+                scores = score(pad_sequences(rows, tuple(group), pad_id).to(device)).float().cpu()
                 for row, index in enumerate(group):
                     out[index] = scores[row, : len(sequences[index])].tolist()
     finally:
@@ -103,11 +163,22 @@ def score_in_micro_batches(
 
 
 def score_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int,
-                   temperature: float) -> list[list[float]]:
-    """Per-token log-probs of each token sequence under `model` (position 0: 0.0), batched, no grad."""
-    def score(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        scores = _shifted_scores(model, ids, mask, temperature)
-        return _with_first_position(scores.gather(-1, ids[:, 1:, None]).squeeze(-1) - scores.logsumexp(-1), mask)
+                   temperature: float, starts: Sequence[int] | None = None) -> list[list[float]]:
+    """Per-token log-probs of each token sequence under `model` (position 0: 0.0), batched, no grad.
+
+    starts: per sequence, the first position whose log-prob is wanted (e.g. a response's first
+    token); earlier positions hold 0.0 and, with a plain-head model, get no logits at all.
+    """
+    def score(batch: PaddedBatch) -> torch.Tensor:
+        if starts is None:
+            ids, mask = batch.input_ids, batch.attention_mask
+            scores = _shifted_scores(model, ids, mask, temperature)
+            return _with_first_position(scores.gather(-1, ids[:, 1:, None]).squeeze(-1) - scores.logsumexp(-1), mask)
+        columns = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
+        wanted = columns[None, :] >= batch.response_start[:, None]
+        logprobs, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature,
+                                        entropy_grad=False, positions=wanted)
+        return logprobs * wanted
 
     return score_in_micro_batches(sequences, pad_id, vocab_capped_tokens(max_tokens, model_vocab_size(model)), score,
-                                  model)
+                                  model, starts)

@@ -31,6 +31,7 @@ class PPOSettings:
     constant (None: the longest loss span of the update).
     use_loss_mask, use_advantage_mask: the mask ablations (``agent_core.algos.masks``).
     recompute_old_logprobs: old log-probs from the policy before the first step (else the rollout's).
+    activation_checkpointing: the policy recomputes its layers' activations in the backward pass.
     """
 
     epochs: int = 1
@@ -53,6 +54,7 @@ class PPOSettings:
     use_loss_mask: bool = True
     use_advantage_mask: bool = True
     recompute_old_logprobs: bool = False
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.mini_batches < 1:
@@ -69,4 +71,5 @@ class PPOSettings:
             micro_batch_tokens=trainer.micro_batch_tokens, max_logit_elements=trainer.micro_batch_logits,
             temperature=temperature or 1.0, agg_mode=trainer.loss_agg_mode, use_loss_mask=algorithm.use_loss_mask,
             use_advantage_mask=algorithm.use_advantage_mask, recompute_old_logprobs=trainer.recompute_old_logprobs,
+            activation_checkpointing=trainer.activation_checkpointing,
         )

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import astuple, dataclass, replace
 from typing import Sequence
 
@@ -100,25 +101,40 @@ class UpdateResult:
 
 @dataclass
 class _Totals:
-    loss: float = 0.0
-    pg_loss: float = 0.0
-    vf_loss: float = 0.0
-    entropy_sum: float = 0.0
-    kl_sum: float = 0.0
-    kl_tokens: float = 0.0
-    clipped_sum: float = 0.0
-    real_tokens: float = 0.0
+    """Metric sums over a step's micro-batches, kept as tensors on the model's device (no host sync
+    per micro-batch); ``summed`` reads them once (and adds them over ranks with `dp`)."""
+
+    loss: torch.Tensor | float = 0.0
+    pg_loss: torch.Tensor | float = 0.0
+    vf_loss: torch.Tensor | float = 0.0
+    entropy_sum: torch.Tensor | float = 0.0
+    kl_sum: torch.Tensor | float = 0.0
+    kl_tokens: torch.Tensor | float = 0.0
+    clipped_sum: torch.Tensor | float = 0.0
+    real_tokens: torch.Tensor | float = 0.0
+
+    def add(self, **values: torch.Tensor) -> None:
+        for name, value in values.items():  # float64, as the Python floats these sums used to be
+            setattr(self, name, getattr(self, name) + value.detach().to(torch.float64))
 
     def summed(self, dp: DataParallel | None) -> "_Totals":
-        """The totals over all ranks' micro-batches (one collective), so metrics are the 1-worker ones."""
-        return self if dp is None else _Totals(*dp.sum_floats(list(astuple(self))))
+        """Plain floats (one host sync), over all ranks' micro-batches with `dp` (one collective), so
+        metrics are the 1-worker ones."""
+        fields = astuple(self)
+        device = next((v.device for v in fields if torch.is_tensor(v)), "cpu")
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in fields]).tolist()
+        return _Totals(*values) if dp is None else _Totals(*dp.sum_floats(values))
 
 
 def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared, s: PPOSettings,
                         totals: _Totals) -> torch.Tensor:
-    """Forward + backward of one policy micro-batch; adds its metrics to totals, returns its loss."""
+    """Forward + backward of one policy micro-batch; adds its metrics to totals, returns its loss.
+
+    Only the loss-mask tokens get logits (``sequence_logprobs(positions=...)``): every value below
+    is read at those tokens alone (the KL mask is inside the loss mask).
+    """
     logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=s.temperature,
-                                          entropy_grad=s.entropy_coef != 0)
+                                          entropy_grad=s.entropy_coef != 0, positions=masks.loss_mask > 0)
     check_finite_output(logprobs, batch.attention_mask, "log-probs")
     old_logprobs = batch.old_logprobs
     if not s.recompute_old_logprobs:  # loss tokens the engine did not sample: ratio 1 (module docstring)
@@ -130,23 +146,18 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared,
     loss = policy.loss
     if s.entropy_coef != 0:
         loss = loss - s.entropy_coef * aggregate_loss(entropy, masks.loss_mask, s.agg_mode, **scale)
-    batch_tokens = float(masks.loss_mask.sum())
+    batch_tokens = masks.loss_mask.sum()
     if batch.ref_logprobs is not None:
         kl_mask = masks.loss_mask * batch.action_mask
         kl_tokens = kl_penalty(logprobs, batch.ref_logprobs, s.kl_estimator)
         if s.kl_coef != 0:
             loss = loss + s.kl_coef * aggregate_loss(kl_tokens, kl_mask, s.agg_mode, **prep.kl_norms.scale())
-        totals.kl_sum += float(masked_sum(kl_tokens.detach(), kl_mask))
-        totals.kl_tokens += float(kl_mask.sum())
+        totals.add(kl_sum=masked_sum(kl_tokens.detach(), kl_mask), kl_tokens=kl_mask.sum())
     else:
-        totals.kl_sum += float(policy.approx_kl) * batch_tokens
-        totals.kl_tokens += batch_tokens
+        totals.add(kl_sum=policy.approx_kl * batch_tokens, kl_tokens=batch_tokens)
     loss.backward()
-    totals.loss += float(loss.detach())
-    totals.pg_loss += float(policy.loss.detach())
-    totals.entropy_sum += float(masked_sum(entropy.detach(), masks.loss_mask))
-    totals.clipped_sum += float(policy.clipfrac) * batch_tokens
-    totals.real_tokens += float(batch.attention_mask.sum())
+    totals.add(loss=loss, pg_loss=policy.loss, entropy_sum=masked_sum(entropy.detach(), masks.loss_mask),
+               clipped_sum=policy.clipfrac * batch_tokens, real_tokens=batch.attention_mask.sum())
     return loss.detach()
 
 
@@ -159,7 +170,7 @@ def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared
                              agg_mode=s.agg_mode, **prep.value_norms.scale())
     loss = s.vf_coef * out.loss
     loss.backward()
-    totals.vf_loss += float(out.loss.detach())
+    totals.add(vf_loss=out.loss)
     return loss.detach()
 
 
@@ -236,6 +247,25 @@ def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad
     return grad_norm, skip_reason
 
 
+@contextmanager
+def activation_checkpointing(model: torch.nn.Module, enabled: bool):
+    """Within the block, `model` (a transformers model) recomputes each layer's activations in the
+    backward pass instead of keeping them: peak memory of a micro-batch falls from all layers'
+    activations to about one layer's, for one more forward pass of compute. Off: nothing changes."""
+    if not enabled:
+        yield
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"trainer.activation_checkpointing: {type(model).__name__} does not support it")
+    already = model.is_activation_checkpointing
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield
+    finally:
+        if not already:
+            model.activation_checkpointing_disable()
+
+
 def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_optimizer, pad_id,
             micro_batch_tokens, dp: DataParallel | None = None) -> tuple[UpdateResult, bool]:
     """One policy optimizer step (and one critic step when a critic is given) over `sequences`.
@@ -251,9 +281,10 @@ def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_opti
                           use_advantage_mask=s.use_advantage_mask, norm_length=s.norm_length)
     totals, grad_norm, reasons = _Totals(), math.nan, []
     if prep.policy_norms.num_tokens > 0:  # global counts: every rank takes the same branch
-        grad_norm, reason = _accumulate_and_step(
-            policy, optimizer, prep, lambda b, m: _policy_micro_batch(policy, b, m, prep, s, totals), s.max_grad_norm,
-            POLICY_INPUTS, dp=dp)
+        with activation_checkpointing(policy, s.activation_checkpointing):
+            grad_norm, reason = _accumulate_and_step(
+                policy, optimizer, prep, lambda b, m: _policy_micro_batch(policy, b, m, prep, s, totals),
+                s.max_grad_norm, POLICY_INPUTS, dp=dp)
         policy_skipped = reason is not None
         reasons += [reason] if reason else []
     else:
@@ -356,7 +387,8 @@ def train_iteration(
     _check_iteration_inputs(sequences, critic, critic_optimizer, s.kl_coef)
     micro_batch_tokens = vocab_capped_tokens(s.micro_batch_tokens, model_vocab_size(policy), s.max_logit_elements)
     if s.recompute_old_logprobs:  # every rank scores all sequences: no collective, same old log-probs
-        fresh = score_logprobs(policy, [q.input_ids for q in sequences], pad_id, micro_batch_tokens, s.temperature)
+        fresh = score_logprobs(policy, [q.input_ids for q in sequences], pad_id, micro_batch_tokens, s.temperature,
+                               starts=[q.region_start for q in sequences])  # the loss never reads earlier ones
         sequences = [replace(q, old_logprobs=logprobs) for q, logprobs in zip(sequences, fresh)]
     generator = torch.Generator().manual_seed(seed)
     results = []
