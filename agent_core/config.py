@@ -201,6 +201,9 @@ class TrainerConfig(_Section):
     recompute_old_logprobs: bool = Field(
         False, description="True: old log-probs from the policy before the update; False: the rollout's"
     )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each layer's activations in the backward pass: less memory, ~30% more compute"
+    )
     layout: Literal["auto", "step", "packed"] = Field(
         "auto", description="auto: packed episodes where contexts only append, step rows otherwise"
     )
@@ -212,6 +215,10 @@ class TrainerConfig(_Section):
     )
     max_staleness: int = Field(0, ge=0, description="policy versions a trained step may lag its iteration (0: on-policy; "
                                "1: rollout k+1 overlaps training k, docs/scale-out.md); older steps are refused")
+    keep_policy_in_memory: bool = Field(
+        True, description="keep the trained policy, critic and optimizers in memory for the next iteration instead of "
+        "reloading the checkpoint just written (still written every iteration; one process only, not "
+        "data-parallel workers; same parameters either way)")
 
 
 class ClusterConfig(_Section):
@@ -301,6 +308,9 @@ class TrackingConfig(_Section):
         None, pattern=r"^[^'/@]+$",
         description="registered model each iteration's checkpoint becomes a version of (a loadable MLflow model; "
         "aliases `latest` and `best`); default: '<experiment>-policy', one model per experiment")
+    register_every: int = Field(
+        1, ge=1, description="register every N-th iteration's checkpoint as a model version, and always the last one "
+        "and any whose dev EM reaches the model's best (so `best` is the same checkpoint as with 1)")
 
     def registered_model_name(self) -> str:
         return self.model_name or f"{self.experiment}-policy"

@@ -19,6 +19,7 @@ from agent_core.config import PipelineConfig
 from agent_core.io.layout import DataRoot, RunLayout, new_run_id
 from agent_core.io.summaries import IterationSummary, eval_scores
 from agent_core.rollout.engines import shutdown_engines
+from agent_core.training import resident
 from agent_core.validation import check_names, check_runnable
 from flows.environment import quiet_progress_bars
 from tasks.compute_advantages import compute_advantages
@@ -89,6 +90,7 @@ def train(config: PipelineConfig) -> TrainResult:
             return _train(run, config)
     finally:
         shutdown_engines()  # vLLM servers stay warm between iterations, not after the run
+        resident.forget()  # the policy kept in memory for the next iteration (trainer.keep_policy_in_memory)
         if config.cluster.address is not None:
             close_cluster()  # replicas and training workers too (and a local Ray cluster)
 

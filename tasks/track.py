@@ -1,7 +1,15 @@
-"""Tracking stages: one MLflow run per training run; per-iteration metrics; registered checkpoints."""
+"""Tracking stages: one MLflow run per training run; per-iteration metrics; registered checkpoints.
+
+Not every checkpoint need become a model version (`tracking.register_every`): iteration k is
+registered when k + 1 is a multiple of it, when it is the run's last, and when its dev EM reaches
+the best dev EM among the model's versions. The last keeps `latest` the run's final policy; the
+new best keeps `best` the same checkpoint that registering every iteration would point it at
+(the highest dev EM, ties the later), since a checkpoint that is not registered cannot be aliased.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +34,8 @@ class TrackingRef:
     mlflow_run_id: str
     model_name: str = ""  # the registered model of the run's checkpoints (tracking.registered_model_name())
     algorithm: str = ""  # the advantage estimator, a tag of every registered version
+    register_every: int = 1  # tracking.register_every
+    iterations: int = 0  # the run's iterations, the last of which is always registered (0: unknown)
 
 
 def _tracker(ref: TrackingRef) -> Tracker:
@@ -43,23 +53,40 @@ def start_tracking(run: RunLayout, config: PipelineConfig) -> TrackingRef:
                                       on_change="tag")
     stage_logger("start_tracking").info("MLflow run %s in experiment %r (%s)", mlflow_run_id, config.tracking.experiment, uri)
     return TrackingRef(uri, artifacts, config.tracking.experiment, mlflow_run_id,
-                       config.tracking.registered_model_name(), config.algorithm.estimator)
+                       config.tracking.registered_model_name(), config.algorithm.estimator,
+                       config.tracking.register_every, config.iterations)
+
+
+def _registration_due(ref: TrackingRef, iteration: int) -> bool:
+    """Whether `iteration` is registered by schedule: every register_every-th and the last."""
+    last = ref.iterations <= 0 or iteration >= ref.iterations - 1
+    return last or (iteration + 1) % ref.register_every == 0
+
+
+def _registers(ref: TrackingRef, tracker: Tracker, model_name: str, iteration: int, dev_em: float) -> bool:
+    """By schedule, or because its dev EM reaches the model's best (`best` would point at it)."""
+    if _registration_due(ref, iteration):
+        return True
+    if not math.isfinite(dev_em):
+        return False
+    best = tracker.best_dev_em(model_name)
+    return best is None or dev_em >= best
 
 
 @dataclass(frozen=True)
 class IterationReport:
     summary: IterationSummary
     model_name: str
-    model_version: int
+    model_version: int | None  # None: the iteration's checkpoint is not a registered version
 
 
 @stage_task(name="log_iteration")
 def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_dir: str,
                   model_name: str | None = None) -> IterationReport:
-    """Log the iteration's metrics and register its checkpoint as a version of `model_name` (default:
-    the ref's), tagged with its dev EM and algorithm, once: a resumed run whose iteration was already
-    logged from the same tables and checkpoint logs nothing again (and `register_checkpoint` never
-    registers an iteration twice)."""
+    """Log the iteration's metrics and, when due (module docstring), register its checkpoint as a
+    version of `model_name` (default: the ref's), tagged with its dev EM and algorithm, once: a
+    resumed run whose iteration was already logged from the same tables and checkpoint logs nothing
+    again (and `register_checkpoint` never registers an iteration twice)."""
     model_name = model_name or ref.model_name
     if not model_name:
         raise ValueError("log_iteration needs a model name: pass model_name or a TrackingRef from start_tracking")
@@ -76,16 +103,20 @@ def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_d
         if rollout is not None and rollout.metrics.get("seconds"):
             metrics["rollout_tokens_per_s"] = summary.generated_tokens / rollout.metrics["seconds"]
         tracker.log_metrics(ref.mlflow_run_id, metrics, step=iteration)
-    version = tracker.register_checkpoint(ref.mlflow_run_id, Path(checkpoint_dir), model_name, iteration,
-                                          dev_em=summary.dev_em, algorithm=ref.algorithm or None)
+    if _registers(ref, tracker, model_name, iteration, summary.dev_em):
+        version = tracker.register_checkpoint(ref.mlflow_run_id, Path(checkpoint_dir), model_name, iteration,
+                                              dev_em=summary.dev_em, algorithm=ref.algorithm or None)
+    else:  # registered before (a resumed run with another register_every), or None
+        version = tracker.find_checkpoint(ref.mlflow_run_id, model_name, iteration)
     if not logged:
         record.commit({})
     stage_logger("log_iteration").info(
-        "iteration %d: mean reward %.3f, EM %.3f, dev EM %.3f, %.2f steps/episode, loss %.4f -> %s v%d",
+        "iteration %d: mean reward %.3f, EM %.3f, dev EM %.3f, %.2f steps/episode, loss %.4f -> %s",
         iteration, summary.mean_reward, summary.em, summary.dev_em, summary.steps_per_episode, summary.loss,
-        version.name, version.version,
+        f"{model_name} v{version.version}" if version
+        else f"not registered (tracking.register_every={ref.register_every})",
     )
-    return IterationReport(summary, version.name, version.version)
+    return IterationReport(summary, model_name, version.version if version else None)
 
 
 def run_artifact_key(run_id: str) -> str:

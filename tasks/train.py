@@ -22,6 +22,10 @@ against the stored sampling log-probs of the policy that generated them.
 
 Resume: the stage's manifest records its inputs (tables, policy, optimizer state, critic) and
 settings; it is committed after every output is in place, so a crash anywhere in between reruns it.
+
+Memory: with `trainer.keep_policy_in_memory` (default) the policy, critic and optimizers this stage
+saved stay in memory, and the next iteration's training in this process uses them instead of
+reading the files back (agent_core/training/resident.py); the files are written either way.
 """
 
 from __future__ import annotations
@@ -96,7 +100,14 @@ def _job(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, po
                                   lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                                   total_steps=cfg.total_steps or total_steps),
         layout=cfg.layout, max_consecutive_nonfinite=cfg.max_consecutive_nonfinite,
-        carried_nonfinite=_nonfinite_streak_before(run, iteration), **critic)
+        carried_nonfinite=_nonfinite_streak_before(run, iteration), keep_in_memory=cfg.keep_policy_in_memory, **critic)
+
+
+def _result_settings(cfg: TrainerConfig) -> dict:
+    """The trainer settings the manifest compares: all but those that cannot change the outputs (the
+    cache; recomputed activations give the same step up to float rounding), so turning them on or
+    off reruns nothing (and runs recorded before they existed still resume)."""
+    return cfg.model_dump(mode="json", exclude={"keep_policy_in_memory", "activation_checkpointing"})
 
 
 def _run_job(job: TrainJob, cluster: ClusterConfig | None):
@@ -123,8 +134,8 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
     uses_critic = estimator_uses_critic(algorithm.estimator)
     record = StageRecord(run.manifest_path("train", iteration), "train", inputs=_train_inputs(
         run, iteration, steps_uri, advantages_uri, policy_dir, uses_critic), params={
-        "trainer": cfg, "algorithm": algorithm, "temperature": temperature, "total_steps": total_steps,
-        "iteration": iteration})
+        "trainer": _result_settings(cfg), "algorithm": algorithm, "temperature": temperature,
+        "total_steps": total_steps, "iteration": iteration})
     if (done := completed_outputs(record, resume, f"iteration {iteration} training")) is not None:
         return done["checkpoint"]
     lag = check_staleness(steps_uri, iteration, cfg.max_staleness)

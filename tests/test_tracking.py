@@ -167,3 +167,65 @@ def test_end_run_sets_status_and_resume_reopens_it(tracker: Tracker):
     assert tracker.client.get_run(mlflow_run_id).info.status == "RUNNING"
     tracker.end_run(mlflow_run_id)
     assert tracker.client.get_run(mlflow_run_id).info.status == "FINISHED"
+
+
+# --- which iterations log_iteration registers (tracking.register_every) ---------------------------
+
+
+def _log_iterations(tracker: Tracker, store: Path, tmp_path: Path, monkeypatch, run_id: str, dev_ems: list[float],
+                    register_every: int) -> tuple[str, list, str]:
+    """tasks.track.log_iteration over len(dev_ems) iterations of one run (summaries stubbed: only the
+    dev EM matters here); returns the model name, the iteration reports and the MLflow run id."""
+    import dataclasses
+
+    import tasks.track as track
+    from agent_core.io.layout import RunLayout
+    from agent_core.io.summaries import IterationSummary
+
+    def summary(run, k):
+        zeros = {field.name: 0 for field in dataclasses.fields(IterationSummary)}
+        return IterationSummary(**{**zeros, "iteration": k, "dev_em": dev_ems[k], "dev_f1": dev_ems[k]})
+
+    monkeypatch.setattr(track, "iteration_summary", summary)
+    model = f"policy-{run_id}"
+    ref = track.TrackingRef(tracker.tracking_uri, (store / "artifacts").as_uri(), tracker.experiment_name,
+                            tracker.start_run(run_id, {}), model, "grpo", register_every, len(dev_ems))
+    run = RunLayout(tmp_path, run_id)
+    reports = [track.log_iteration.fn(run, k, ref, str(_checkpoint(tmp_path, f"ckpt{k}", b"w%d" % k)))
+               for k in range(len(dev_ems))]
+    return model, reports, ref.mlflow_run_id
+
+
+def _registered_iterations(tracker: Tracker, model: str) -> dict[int, int]:
+    return {int(v.tags["iteration"]): int(v.version) for v in tracker.client.search_model_versions(f"name = '{model}'")}
+
+
+def test_every_second_iteration_and_the_last_are_registered(tracker: Tracker, store: Path, tmp_path: Path,
+                                                             monkeypatch):
+    model, reports, mlflow_run_id = _log_iterations(tracker, store, tmp_path, monkeypatch, "every-2", [math.nan] * 3,
+                                                    register_every=2)
+    assert _registered_iterations(tracker, model) == {1: 1, 2: 2}
+    assert [r.model_version for r in reports] == [None, 1, 2]
+    assert tracker.client.get_model_version_by_alias(model, "latest").tags["iteration"] == "2"  # the final policy
+    assert tracker.client.get_registered_model(model).aliases == {}  # nothing evaluated: no best
+    assert sorted(m.step for m in tracker.client.get_metric_history(mlflow_run_id, "loss")) == [0, 1, 2]  # all logged
+
+
+def test_an_iteration_with_the_best_dev_em_so_far_is_registered_so_best_stays_the_best(
+        tracker: Tracker, store: Path, tmp_path: Path, monkeypatch):
+    """Registering every iteration would point `best` at iteration 2 (0.3, the later of a tie): so must
+    registering only the due ones (the last) and the new bests (0, and 2 by the tie)."""
+    model, reports, _ = _log_iterations(tracker, store, tmp_path, monkeypatch, "every-10", [0.3, 0.2, 0.3, 0.1, 0.25],
+                                        register_every=10)
+    registered = _registered_iterations(tracker, model)
+    assert registered == {0: 1, 2: 2, 4: 3}
+    assert [r.model_version for r in reports] == [1, None, 2, None, 3]
+    assert tracker.client.get_registered_model(model).aliases == {"best": registered[2]}
+    assert tracker.client.get_model_version_by_alias(model, "latest").tags["iteration"] == "4"
+
+
+def test_register_every_one_registers_every_iteration(tracker: Tracker, store: Path, tmp_path: Path, monkeypatch):
+    model, _, _ = _log_iterations(tracker, store, tmp_path, monkeypatch, "every-1", [0.5, math.nan, 0.1],
+                                  register_every=1)
+    assert _registered_iterations(tracker, model) == {0: 1, 1: 2, 2: 3}
+    assert tracker.client.get_registered_model(model).aliases == {"best": 1}

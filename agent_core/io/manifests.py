@@ -56,6 +56,18 @@ def fingerprint(path: str | os.PathLike | None) -> str:
     return "dir:" + digest.hexdigest()
 
 
+def stat_stamp(path: str | os.PathLike) -> tuple:
+    """Names, inodes, sizes and modification times of a file or of a directory and its visible files;
+    () when nothing is there. Reads no content, so it is cheap to check on every use: any rewrite
+    (`save_policy` swaps in a new directory, `atomic_file` renames in a new file) changes it."""
+    path = Path(path)
+    if not path.exists():
+        return ()
+    entries = [path] if path.is_file() else [path, *sorted(_visible_files(path))]
+    return tuple((item.relative_to(path).as_posix(), (s := item.stat()).st_ino, s.st_size, s.st_mtime_ns)
+                 for item in entries)
+
+
 def _visible_files(directory: Path):
     for root, dirs, files in os.walk(directory):
         dirs[:] = [d for d in dirs if not d.startswith(".")]

@@ -136,19 +136,24 @@ def _dev_em(tags: dict[str, str]) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def refresh_aliases(client: MlflowClient, model_name: str) -> dict[str, int]:
-    """Point `best` at the version with the highest dev EM among the model's versions that have one
-    (ties: the later version); returns alias -> version. Derived from the versions each time, so a
-    rerun after a kill repairs it. `latest` needs no setting: MLflow reserves that alias name and
-    resolves models:/<name>@latest to the highest version, i.e. the newest iteration of the run
-    that registered last."""
+def best_version(client: MlflowClient, model_name: str) -> tuple[float, int] | None:
+    """(dev EM, version) of the version with the highest dev EM among the model's versions that have
+    one (ties: the later version); None when none has one (or the model does not exist yet)."""
     versions = client.search_model_versions(f"name = '{model_name}'")
     scored = [(em, int(v.version)) for v in versions if (em := _dev_em(v.tags)) is not None]
-    if not scored:
+    return max(scored) if scored else None
+
+
+def refresh_aliases(client: MlflowClient, model_name: str) -> dict[str, int]:
+    """Point `best` at `best_version`; returns alias -> version. Derived from the versions each time,
+    so a rerun after a kill repairs it. `latest` needs no setting: MLflow reserves that alias name
+    and resolves models:/<name>@latest to the highest version, i.e. the newest registered iteration
+    of the run that registered last."""
+    best = best_version(client, model_name)
+    if best is None:
         return {}
-    best = max(scored)[1]
-    client.set_registered_model_alias(model_name, BEST_ALIAS, str(best))
-    return {BEST_ALIAS: best}
+    client.set_registered_model_alias(model_name, BEST_ALIAS, str(best[1]))
+    return {BEST_ALIAS: best[1]}
 
 
 def version_tags(run_id: str, iteration: int, dev_em: float | None, algorithm: str | None) -> dict[str, str]:

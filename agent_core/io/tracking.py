@@ -44,6 +44,7 @@ from agent_core.failpoints import failpoint  # noqa: E402
 from agent_core.io.model_registry import (  # noqa: E402
     ITERATION_TAG,
     RUN_ID_TAG,
+    best_version,
     refresh_aliases,
     save_policy_model,
     version_tags,
@@ -318,10 +319,16 @@ class Tracker:
         first = min(matching, key=lambda v: int(v.version))
         return RegisteredModel(name=model_name, version=int(first.version), source=first.source)
 
+    def best_dev_em(self, model_name: str) -> float | None:
+        """The dev EM of the version `best` points to (model_registry.best_version); None without one."""
+        best = best_version(self.client, model_name)
+        return None if best is None else best[0]
+
     def _ensure_registered_model(self, model_name: str) -> None:
-        description = (f"Policy checkpoints of MLflow experiment {self.experiment_name!r}, one version per training "
-                       f"iteration. Load one with mlflow.pyfunc.load_model('models:/{model_name}@latest') "
-                       "(aliases: latest = the newest iteration of the run that registered last, best = the "
+        description = (f"Policy checkpoints of MLflow experiment {self.experiment_name!r}, one version per registered "
+                       "training iteration (tracking.register_every). Load one with "
+                       f"mlflow.pyfunc.load_model('models:/{model_name}@latest') (aliases: latest = the newest "
+                       "registered iteration of the run that registered last, best = the "
                        "highest dev EM); evaluate one with agentr1 eval --checkpoint models:/NAME/VERSION.")
         try:
             self.client.create_registered_model(model_name, description=description)

@@ -5,6 +5,10 @@ A `TrainJob` holds plain paths and settings (it travels to Ray workers). Every w
 same policy, optimizer state and sequences, runs `train_iteration` with its `DataParallel` share
 of each step's micro-batches (gradients summed, so all workers step identically), and only rank 0
 writes the checkpoint, optimizer state and critic, atomically, as a single process does.
+
+In one process with `keep_in_memory` (trainer.keep_policy_in_memory), what an iteration saved stays
+in memory (`resident.py`) and the next iteration, whose inputs are those files, uses it instead of
+loading them again; the files are still written every iteration and give the same parameters.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from agent_core.episodes import episodes_from_rows
 from agent_core.io.checkpoints import load_policy, save_critic, save_policy
 from agent_core.io.optimizer_state import load_optimizer_state, save_optimizer_state
 from agent_core.io.tables import join_steps
+from agent_core.training import resident
 from agent_core.training.batches import TrainStep, choose_layout
 from agent_core.training.critic import build_critic, load_critic
 from agent_core.training.data_parallel import DataParallel
@@ -62,6 +67,7 @@ class TrainJob:
     critic_optimizer_in: str | None = None
     critic_out: str | None = None
     critic_optimizer_out: str | None = None
+    keep_in_memory: bool = False  # keep what is saved for the next job that reads it (resident.py); one process only
 
 
 def job_sequences(job: TrainJob):
@@ -72,7 +78,33 @@ def job_sequences(job: TrainJob):
     return choose_layout([list(episode.steps) for episode in episodes_from_rows(steps)], job.layout)
 
 
-def _critic(job: TrainJob):
+def _policy_settings(job: TrainJob) -> tuple:
+    # Stricter than needed (a reload gets its lr from the scheduler and its weight decay from the
+    # saved state), so a changed setting never depends on that detail of AdamW.load_state_dict.
+    return job.optimization.lr, job.optimization.weight_decay
+
+
+def _critic_settings(job: TrainJob) -> tuple:
+    return job.optimization.critic_lr, job.optimization.weight_decay
+
+
+def _policy(job: TrainJob, keep: bool):
+    """(model, tokenizer, optimizer): what the previous iteration kept, if it saved them to this job's
+    inputs; else loaded from them."""
+    if keep and (kept := resident.take(resident.POLICY, (job.policy_dir, job.optimizer_in),
+                                       _policy_settings(job))) is not None:
+        return kept
+    model, tokenizer = load_policy(Path(job.policy_dir))
+    optimizer = make_optimizer(model, lr=job.optimization.lr, weight_decay=job.optimization.weight_decay)
+    if job.optimizer_in is not None:
+        load_optimizer_state(optimizer, Path(job.optimizer_in))
+    return model, tokenizer, optimizer
+
+
+def _critic(job: TrainJob, keep: bool):
+    if keep and (kept := resident.take(resident.CRITIC, (job.critic_in, job.critic_optimizer_in),
+                                       _critic_settings(job))) is not None:
+        return kept
     critic = load_critic(Path(job.critic_in)) if Path(job.critic_in).exists() else build_critic(Path(job.policy_dir))
     optimizer = make_optimizer(critic, lr=job.optimization.critic_lr, weight_decay=job.optimization.weight_decay)
     if job.critic_optimizer_in is not None:
@@ -80,21 +112,42 @@ def _critic(job: TrainJob):
     return critic, optimizer
 
 
+def _save(job: TrainJob, policy: tuple, critic: tuple | None, modes: list[dict], keep: bool) -> None:
+    """Write the checkpoint, optimizer state and critic; with `keep`, hold them for the next job too,
+    in the train/eval modes they were loaded in (`modes`: the policy's, then the critic's)."""
+    model, tokenizer, optimizer = policy
+    save_policy(model, tokenizer, Path(job.checkpoint_dir))
+    save_optimizer_state(optimizer, Path(job.optimizer_out))
+    if critic is not None:
+        save_critic(critic[0], Path(job.critic_out))
+        save_optimizer_state(critic[1], Path(job.critic_optimizer_out))
+    if keep:
+        resident.restore_modes(model, modes[0])
+        resident.keep(resident.POLICY, (job.checkpoint_dir, job.optimizer_out), _policy_settings(job), policy)
+        if critic is not None:
+            resident.restore_modes(critic[0], modes[1])
+            resident.keep(resident.CRITIC, (job.critic_out, job.critic_optimizer_out), _critic_settings(job), critic)
+
+
 def run_training(job: TrainJob, dp: DataParallel | None = None) -> tuple[list[UpdateResult], int]:
     """Train one iteration; (one result per optimizer step, the rows trained). Rank 0 (or the only
     process) writes the outputs; a non-finite run raises before anything is written."""
     sequences = job_sequences(job)
-    model, tokenizer = load_policy(Path(job.policy_dir))
+    keep = job.keep_in_memory and dp is None
+    if not keep:
+        resident.forget()
+    model, tokenizer, optimizer = _policy(job, keep)
+    modes = [resident.training_modes(model)]
     opt = job.optimization
-    optimizer = make_optimizer(model, lr=opt.lr, weight_decay=opt.weight_decay)
-    if job.optimizer_in is not None:
-        load_optimizer_state(optimizer, Path(job.optimizer_in))
     steps_now = job.settings.epochs * job.settings.mini_batches
     scheduler = make_lr_scheduler(optimizer, name=opt.lr_schedule, base_lr=opt.lr, warmup_steps=opt.warmup_steps,
                                   total_steps=max(opt.total_steps, steps_now), start_step=optimizer_step_count(optimizer))
     critic = critic_optimizer = None
     if job.critic_in is not None:
-        critic, critic_optimizer = _critic(job)
+        critic, critic_optimizer = _critic(job, keep)
+        modes.append(resident.training_modes(critic))
+    else:
+        resident.forget(resident.CRITIC)  # one kept by a job with a critic is never read now
     results = train_iteration(model, optimizer, sequences, job.settings, pad_id=tokenizer.pad_token_id, critic=critic,
                               critic_optimizer=critic_optimizer, scheduler=scheduler, seed=job.iteration, dp=dp)
     check_nonfinite_updates(results, iteration=job.iteration, max_consecutive=job.max_consecutive_nonfinite,
@@ -104,9 +157,5 @@ def run_training(job: TrainJob, dp: DataParallel | None = None) -> tuple[list[Up
     if critic is not None:
         check_savable(critic.named_parameters(), iteration=job.iteration, what="critic")
     if dp is None or dp.rank == 0:
-        save_policy(model, tokenizer, Path(job.checkpoint_dir))
-        save_optimizer_state(optimizer, Path(job.optimizer_out))
-        if critic is not None:
-            save_critic(critic, Path(job.critic_out))
-            save_optimizer_state(critic_optimizer, Path(job.critic_optimizer_out))
+        _save(job, (model, tokenizer, optimizer), None if critic is None else (critic, critic_optimizer), modes, keep)
     return results, len(sequences)
