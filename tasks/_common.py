@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from prefect.logging import get_run_logger
 from agent_core.config import ClusterConfig, RewardConfig, RolloutConfig, VLLMConfig
 from agent_core.data.rows import prompts_from_table, row_to_document
 from agent_core.envs.registry import ENVS, EnvResources, env_kwarg_names, make_env
-from agent_core.envs.search import Bm25Index
+from agent_core.envs.search import shared_index
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.failpoints import failpoint
 from agent_core.plugins import loaded_plugins
@@ -31,7 +32,7 @@ from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, write_table
 from agent_core.progress import BarReporter, LogReporter, reporting_to
 from agent_core.rewards.labelling import RewardRecord, StepOutcome, label_steps
-from agent_core.rollout.agent_loop import LoopSettings, run_episodes
+from agent_core.rollout.agent_loop import LoopSettings, RolloutTimings, run_episodes
 from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
 from agent_core.rollout.context import ContextPolicy
 from agent_core.rollout.engine import SamplingParams
@@ -179,11 +180,17 @@ def env_of(prompt: Prompt, cfg: RolloutConfig) -> tuple[str, dict]:
 
 
 def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConfig, *, seed: int,
-             policy_version: int, episode_prefix: str, group_size: int | None = None) -> list:
+             policy_version: int, episode_prefix: str, group_size: int | None = None,
+             timings: RolloutTimings | None = None) -> list:
     """Episodes of `prompts` with `engine` in the config's envs; the step records (also used by the
-    warm start's oracle episodes)."""
+    warm start's oracle episodes). The search index is built once per corpus, not per rollout
+    (`shared_index`). `timings`: where the time outside generate went (bench/rollout.py)."""
+    timings = RolloutTimings() if timings is None else timings
     chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
-    resources = EnvResources(search_index=Bm25Index(documents), chat=chat)
+    started = time.perf_counter()
+    index = shared_index(documents)
+    timings.index_seconds += time.perf_counter() - started
+    resources = EnvResources(search_index=index, chat=chat)
     sampling = SamplingParams(
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
         seed=seed, stop_token_ids=eos_token_ids(tokenizer),
@@ -194,7 +201,8 @@ def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConf
         context=ContextPolicy(cfg.context_mode, cfg.keep_last_turns, cfg.max_observation_tokens),
         env_workers=cfg.env_workers, straggler_wait_s=cfg.straggler_wait_s,
     )
-    return run_episodes(engine, tokenizer, prompts, lambda p: make_env(*env_of(p, cfg), resources), sampling, settings)
+    return run_episodes(engine, tokenizer, prompts, lambda p: make_env(*env_of(p, cfg), resources), sampling, settings,
+                        timings)
 
 
 # ---- reward labelling of a steps table (label_rewards, the warm start's oracle episodes) ----------

@@ -21,6 +21,9 @@ samples with seed `sampling.seed + n`. An exception from `generate` ends the rol
 
 Each step's info records `env_seconds` (the env step), `generate_seconds` (the generate call that
 produced its action) and `queue_seconds` (how long the episode waited ready before that call).
+`RolloutTimings` adds up what the loop did while no call was in flight (bench/rollout.py). To keep
+that small, a call's actions are decoded in one batched call and an observation is encoded with one
+tokenizer call (`ObservationEncoder` renders the template's glue once per kind of observation).
 
 Contexts are token ids end to end: the next context is built by `agent_core.rollout.context` from
 the exact ids of the previous context, the sampled action and the rendered observation, never from
@@ -40,6 +43,7 @@ so one bad sample ends at most its own episode, never the rollout (tests/test_fu
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -48,13 +52,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Sequence
 
-from agent_core.envs.base import TERMINATIONS, AgentEnv, EnvStep, ToolCall
+from agent_core.envs.base import AgentEnv, EnvStep
 from agent_core.failpoints import failpoint
 from agent_core.progress import report
-from agent_core.rollout.chat import encode_conversation, encode_observation_messages, eos_token_ids
+from agent_core.rollout.chat import encode_conversation, eos_token_ids
 from agent_core.rollout.context import ContextPolicy, EpisodeContext, extends, truncate_text
 from agent_core.rollout.engine import Engine, Generation, SamplingParams, concurrent_calls
-from agent_core.rollout.records import StepRecord, has_surrogates, json_text, utf8_safe
+from agent_core.rollout.observation_encoder import ObservationEncoder
+from agent_core.rollout.records import StepRecord, json_text, storable_env_step
 from agent_core.types import ChatMessage, Prompt
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,21 @@ class LoopSettings:
 
 
 @dataclass
+class RolloutTimings:
+    """Seconds of a rollout during which no generate call was in flight (the engine idle), by what
+    the loop was doing. Work done while a call is in flight (with a concurrent engine, another
+    call's episodes) costs the engine nothing and is not counted; what no field covers (scheduling,
+    thread hand-offs, the caller's own set-up) is the rest of the rollout's time outside generate.
+    """
+
+    index_seconds: float = 0.0  # building the search index (set by the caller that builds it: tasks._common.roll_out)
+    start_seconds: float = 0.0  # envs built and reset, opening conversations encoded
+    decode_seconds: float = 0.0  # actions decoded to text
+    env_wait_seconds: float = 0.0  # waiting for env steps (tool calls) to finish, the straggler wait included
+    encode_seconds: float = 0.0  # observations encoded into the next contexts, steps recorded
+
+
+@dataclass
 class _Episode:
     index: int  # position in the rollout: the order of episodes within a generate call
     episode_id: str
@@ -106,16 +126,21 @@ def run_episodes(
     make_env: Callable[[Prompt], AgentEnv],
     sampling: SamplingParams,
     settings: LoopSettings,
+    timings: RolloutTimings | None = None,
 ) -> list[StepRecord]:
-    """Roll out `group_size` episodes per prompt to the end; return their steps in episode order."""
+    """Roll out `group_size` episodes per prompt to the end; return their steps in episode order.
+    `timings`, if given, gets the loop's time outside generate added to it (module docstring)."""
+    timings = RolloutTimings() if timings is None else timings
+    started = time.perf_counter()
     episodes = _start_episodes(tokenizer, prompts, make_env, settings)
+    timings.start_seconds += time.perf_counter() - started
     for ep in episodes:
         if not _fits(ep.current_ids, sampling, settings):  # nothing could ever be generated
             raise ValueError(
                 f"prompt {ep.prompt.prompt_id!r} is {len(ep.current_ids)} tokens; with max_new_tokens="
                 f"{sampling.max_new_tokens} it exceeds max_context_tokens={settings.max_context_tokens}"
             )
-    _Scheduler(engine, tokenizer, sampling, settings, episodes).run()
+    _Scheduler(engine, tokenizer, sampling, settings, episodes, timings).run()
     return [record for ep in episodes for record in ep.records]
 
 
@@ -127,9 +152,10 @@ class _Scheduler:
     """
 
     def __init__(self, engine: Engine, tokenizer, sampling: SamplingParams, settings: LoopSettings,
-                 episodes: list[_Episode]):
+                 episodes: list[_Episode], timings: RolloutTimings):
         self.engine, self.tokenizer, self.sampling, self.settings = engine, tokenizer, sampling, settings
-        self.episodes = episodes
+        self.episodes, self.timings = episodes, timings
+        self.encoder = ObservationEncoder(tokenizer)
         self.slots = concurrent_calls(engine)
         self.started = self.slot_free_since = time.perf_counter()
         for ep in episodes:
@@ -148,7 +174,10 @@ class _Scheduler:
         try:
             while self.ready or self.generating or self.stepping:
                 timeout = self._dispatch(engine_pool)
+                engine_idle, waiting_since = not self.generating, time.perf_counter()
                 done, _ = wait([*self.generating, *self.stepping], timeout=timeout, return_when=FIRST_COMPLETED)
+                if engine_idle:  # nothing generating: only env steps could be waited for
+                    self.timings.env_wait_seconds += time.perf_counter() - waiting_since
                 for future in done:
                     if future in self.generating:
                         self._on_generated(future, env_pool)
@@ -191,8 +220,11 @@ class _Scheduler:
         self.slot_free_since = time.perf_counter()
         generations, seconds = future.result()
         returned_at = time.time()
-        for ep, gen, queue_seconds in zip(batch, generations, queued):
-            action_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        decoding_since = time.perf_counter()
+        texts = self.tokenizer.batch_decode([gen.token_ids for gen in generations], skip_special_tokens=True)
+        if not self.generating:
+            self.timings.decode_seconds += time.perf_counter() - decoding_since
+        for ep, gen, queue_seconds, action_text in zip(batch, generations, queued, texts):
             timing = {"generate_seconds": round(seconds, 6), "queue_seconds": round(queue_seconds, 6),
                       "generated_at": returned_at}  # a column of its own, not info (_advance)
             self.stepping[env_pool.submit(_env_step, ep.env, action_text)] = (ep, gen, action_text, timing)
@@ -205,7 +237,12 @@ class _Scheduler:
         outcome = future.result()  # never raises: _env_step turns env errors into an "error" ending
         outcome.info.update(timing)
         self.steps += 1
-        if _advance(ep, gen, action_text, outcome, self.tokenizer, self.sampling, self.settings, self.end_of_turn_ids):
+        encoding_since = time.perf_counter()
+        goes_on = _advance(ep, gen, action_text, outcome, self.tokenizer, self.encoder, self.sampling, self.settings,
+                           self.end_of_turn_ids)
+        if not self.generating:
+            self.timings.encode_seconds += time.perf_counter() - encoding_since
+        if goes_on:
             ep.ready_since = time.perf_counter()
             self.ready.append(ep)
         else:
@@ -236,7 +273,7 @@ def _env_step(env: AgentEnv, action_text: str) -> EnvStep:
     ends its episode with termination "error"."""
     started = time.perf_counter()
     try:
-        outcome = _usable(env.step(action_text))
+        outcome = storable_env_step(env.step(action_text))
     except Exception as error:  # an env bug must not take down the other episodes of the rollout
         log.warning("env %s raised %s: %s", type(env).__name__, type(error).__name__, error)
         outcome = EnvStep(
@@ -247,42 +284,21 @@ def _env_step(env: AgentEnv, action_text: str) -> EnvStep:
     return outcome
 
 
-def _usable(outcome: EnvStep) -> EnvStep:
-    """`outcome` checked on the env's thread, where a problem ends one episode: found later, on the
-    scheduler's thread or when the steps table is written, it would end the whole rollout.
-
-    Lone surrogates in its text (model-written JSON escapes like "\\ud800" that an env echoes, e.g. an
-    unknown tool's name) become U+FFFD: neither tokenizers nor Parquet take text UTF-8 cannot encode.
-    """
-    if not isinstance(outcome, EnvStep):
-        raise TypeError(f"env.step returned {type(outcome).__name__}, not EnvStep")
-    texts = [outcome.observation, outcome.parse_error or "", *(m.content for m in outcome.observation_messages)]
-    if (not all(isinstance(text, str) for text in texts) or not isinstance(outcome.info, dict)
-            or not all(isinstance(call, ToolCall) for call in outcome.tool_calls)):
-        raise TypeError("EnvStep observation, parse_error and message contents must be str, info a dict "
-                        "and tool_calls ToolCalls")
-    if not math.isfinite(outcome.reward) or (outcome.done and outcome.termination not in TERMINATIONS):
-        raise ValueError(f"EnvStep reward {outcome.reward!r} is not finite, or done with termination "
-                         f"{outcome.termination!r} (valid: {', '.join(TERMINATIONS)})")
-    if not any(map(has_surrogates, texts)):
-        return outcome
-    return replace(
-        outcome, observation=utf8_safe(outcome.observation),
-        parse_error=None if outcome.parse_error is None else utf8_safe(outcome.parse_error),
-        observation_messages=tuple(ChatMessage(m.role, utf8_safe(m.content)) for m in outcome.observation_messages),
-    )
-
-
 def _start_episodes(tokenizer, prompts, make_env, settings: LoopSettings) -> list[_Episode]:
     episodes = []
+    heads: dict[tuple, list[int]] = {}  # a group's episodes usually open with the same conversation
     for prompt in prompts:
         for sample_idx in range(settings.group_size):
             env = make_env(prompt)
-            head = encode_conversation(tokenizer, env.reset(prompt), tools=_template_tools(env))
+            messages, tools = tuple(env.reset(prompt)), _template_tools(env)
+            key = (messages, json.dumps(tools, default=repr) if tools else None)
+            if key not in heads:
+                heads[key] = encode_conversation(tokenizer, messages, tools=tools)
+            head = heads[key]
             group_id = f"{settings.episode_prefix}{prompt.prompt_id}"
             episodes.append(_Episode(
                 index=len(episodes), episode_id=f"{group_id}-s{sample_idx}", group_id=group_id, prompt=prompt,
-                sample_idx=sample_idx, env=env, context=EpisodeContext(head=head), current_ids=list(head),
+                sample_idx=sample_idx, env=env, context=EpisodeContext(head=list(head)), current_ids=list(head),
             ))
     return episodes
 
@@ -293,7 +309,8 @@ def _fits(context_ids: list[int], sampling: SamplingParams, settings: LoopSettin
 
 
 def _advance(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, tokenizer,
-             sampling: SamplingParams, settings: LoopSettings, end_of_turn_ids: frozenset[int]) -> bool:
+             encoder: ObservationEncoder, sampling: SamplingParams, settings: LoopSettings,
+             end_of_turn_ids: frozenset[int]) -> bool:
     """Apply one generation and the env's answer to its episode; return True if the episode goes on."""
     termination = outcome.termination if outcome.done else None
     generated_at = outcome.info.pop("generated_at", time.time())
@@ -303,7 +320,7 @@ def _advance(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, 
     if not outcome.done:
         # a stop token other than end-of-turn (e.g. "</search>") would leave the turn open
         ended_with_eos = bool(gen.token_ids) and gen.token_ids[-1] in end_of_turn_ids
-        observation_ids = encode_observation_messages(tokenizer, messages, ended_with_eos, tools=_template_tools(ep.env))
+        observation_ids = encoder.encode(messages, ended_with_eos, tools=_template_tools(ep.env))
         ep.context.add_turn(gen.token_ids, observation_ids)
         next_ids = ep.context.ids(settings.context)
         if ep.step_idx + 1 >= settings.max_steps:

@@ -1,5 +1,5 @@
-"""One row of the `steps` table as a typed container (one LLM call + the env's answer), and the
-text helpers that make whatever an env returns storable in it."""
+"""One row of the `steps` table as a typed container (one LLM call + the env's answer), the check
+of an env's answer, and the text helpers that make whatever an env returns storable in it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import json
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from agent_core.envs.base import TERMINATIONS, EnvStep, ToolCall
+from agent_core.types import ChatMessage
 
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _MAX_JSON_DEPTH = 32
@@ -55,6 +58,32 @@ class StepRecord:
     served_by: str | None = None
     retries: int = 0
     generated_at: float = field(default_factory=time.time)
+
+
+def storable_env_step(outcome: EnvStep) -> EnvStep:
+    """`outcome` checked on the env's thread, where a problem ends one episode: found later, on the
+    scheduler's thread or when the steps table is written, it would end the whole rollout.
+
+    Lone surrogates in its text (model-written JSON escapes like "\\ud800" that an env echoes, e.g. an
+    unknown tool's name) become U+FFFD: neither tokenizers nor Parquet take text UTF-8 cannot encode.
+    """
+    if not isinstance(outcome, EnvStep):
+        raise TypeError(f"env.step returned {type(outcome).__name__}, not EnvStep")
+    texts = [outcome.observation, outcome.parse_error or "", *(m.content for m in outcome.observation_messages)]
+    if (not all(isinstance(text, str) for text in texts) or not isinstance(outcome.info, dict)
+            or not all(isinstance(call, ToolCall) for call in outcome.tool_calls)):
+        raise TypeError("EnvStep observation, parse_error and message contents must be str, info a dict "
+                        "and tool_calls ToolCalls")
+    if not math.isfinite(outcome.reward) or (outcome.done and outcome.termination not in TERMINATIONS):
+        raise ValueError(f"EnvStep reward {outcome.reward!r} is not finite, or done with termination "
+                         f"{outcome.termination!r} (valid: {', '.join(TERMINATIONS)})")
+    if not any(map(has_surrogates, texts)):
+        return outcome
+    return replace(
+        outcome, observation=utf8_safe(outcome.observation),
+        parse_error=None if outcome.parse_error is None else utf8_safe(outcome.parse_error),
+        observation_messages=tuple(ChatMessage(m.role, utf8_safe(m.content)) for m in outcome.observation_messages),
+    )
 
 
 def has_surrogates(text: str) -> bool:
