@@ -201,6 +201,10 @@ class TrainerConfig(_Section):
     recompute_old_logprobs: bool = Field(
         False, description="True: old log-probs from the policy before the update; False: the rollout's"
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16: forward/backward matmuls under bfloat16 autocast (weights, optimizer and loss stay "
+        "fp32); ~2x faster on CPUs with AVX512-BF16 or AMX and on GPUs, log-probs differ at the 1e-2 level"
+    )
     activation_checkpointing: bool = Field(
         False, description="recompute each layer's activations in the backward pass: less memory, ~30% more compute"
     )

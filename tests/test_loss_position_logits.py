@@ -146,3 +146,24 @@ def test_scoring_from_a_start_gives_the_full_scores_from_there_on():
         assert len(t) == len(f) and t[:start] == [0.0] * start
         assert t[start:] == pytest.approx(f[start:], abs=1e-5)
     assert seen[1] == sum(len(s) - start for s, start in zip(sequences, starts))
+
+
+def test_bf16_precision_runs_the_matmuls_in_bfloat16_and_keeps_fp32_state():
+    """precision=bf16 is autocast: bfloat16 layer outputs, fp32 weights, gradients' step and metrics
+    close to fp32's (bfloat16 keeps ~3 significant digits)."""
+    out_dtypes, results, params = [], [], []
+    for precision in ("fp32", "bf16"):
+        model = tiny_llama()
+        hook = model.model.layers[0].mlp.down_proj.register_forward_hook(
+            lambda module, args, out: out_dtypes.append(out.dtype))
+        settings = PPOSettings(max_grad_norm=None, precision=precision)
+        results.append(ppo_update(model, make_optimizer(model, lr=1e-3), rows(), settings, pad_id=PAD))
+        hook.remove()
+        params.append([p.detach().clone() for p in model.parameters()])
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert out_dtypes == [torch.float32, torch.bfloat16]
+    fp32, bf16 = results
+    assert not bf16.skipped and bf16.loss == pytest.approx(fp32.loss, rel=0.05, abs=0.02)
+    assert any(not torch.equal(a, b) for a, b in zip(*params))  # the switch changed the arithmetic
+    with pytest.raises(ValueError, match="choose one of fp32, bf16"):
+        ppo_update(tiny_llama(), make_optimizer(tiny_llama(), lr=1e-3), rows(), PPOSettings(precision="fp16"), pad_id=PAD)

@@ -32,6 +32,7 @@ class PPOSettings:
     use_loss_mask, use_advantage_mask: the mask ablations (``agent_core.algos.masks``).
     recompute_old_logprobs: old log-probs from the policy before the first step (else the rollout's).
     activation_checkpointing: the policy recomputes its layers' activations in the backward pass.
+    precision: "fp32", or "bf16" (the policy's and critic's forward passes under bfloat16 autocast).
     """
 
     epochs: int = 1
@@ -55,6 +56,7 @@ class PPOSettings:
     use_advantage_mask: bool = True
     recompute_old_logprobs: bool = False
     activation_checkpointing: bool = False
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.mini_batches < 1:
@@ -71,5 +73,5 @@ class PPOSettings:
             micro_batch_tokens=trainer.micro_batch_tokens, max_logit_elements=trainer.micro_batch_logits,
             temperature=temperature or 1.0, agg_mode=trainer.loss_agg_mode, use_loss_mask=algorithm.use_loss_mask,
             use_advantage_mask=algorithm.use_advantage_mask, recompute_old_logprobs=trainer.recompute_old_logprobs,
-            activation_checkpointing=trainer.activation_checkpointing,
+            activation_checkpointing=trainer.activation_checkpointing, precision=trainer.precision,
         )

@@ -133,8 +133,9 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared,
     Only the loss-mask tokens get logits (``sequence_logprobs(positions=...)``): every value below
     is read at those tokens alone (the KL mask is inside the loss mask).
     """
-    logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=s.temperature,
-                                          entropy_grad=s.entropy_coef != 0, positions=masks.loss_mask > 0)
+    with autocast(batch.input_ids.device, s.precision):
+        logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=s.temperature,
+                                              entropy_grad=s.entropy_coef != 0, positions=masks.loss_mask > 0)
     check_finite_output(logprobs, batch.attention_mask, "log-probs")
     old_logprobs = batch.old_logprobs
     if not s.recompute_old_logprobs:  # loss tokens the engine did not sample: ratio 1 (module docstring)
@@ -164,7 +165,8 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared,
 def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared, s: PPOSettings,
                         totals: _Totals) -> torch.Tensor:
     """Forward + backward of the clipped value loss on the advantage-mask tokens (they have returns)."""
-    values = critic.values(batch.input_ids, batch.attention_mask)
+    with autocast(batch.input_ids.device, s.precision):
+        values = critic.values(batch.input_ids, batch.attention_mask).float()
     check_finite_output(values, batch.attention_mask, "values")
     out = clipped_value_loss(values, batch.old_values, batch.returns, masks.advantage_mask, clip_range=s.value_clip,
                              agg_mode=s.agg_mode, **prep.value_norms.scale())
@@ -245,6 +247,17 @@ def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad
     finally:
         module.train(was_training)
     return grad_norm, skip_reason
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def autocast(device: torch.device, precision: str):
+    """The forward pass's autocast: bfloat16 matmuls for "bf16" (parameters, gradients and the
+    optimizer stay fp32; scoring upcasts logits to fp32 before the log-softmax), none for "fp32"."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 @contextmanager
