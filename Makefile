@@ -81,11 +81,17 @@ $(VLLM_STAMP):
 vllm: $(VLLM_STAMP)
 
 # Benchmarks: speed goals as ratios measured within one run -> bench/results/*.json, docs/benchmarks.md.
-# `make bench BENCH_ARGS=--quick` is a smoke run at tiny sizes (results and page in a temporary folder).
-# A full run needs vLLM (rollout), TRL (trl_compare) and SmolLM2 (trl_compare, memory): about an hour on 2 cores.
+# `make bench BENCH_ARGS=--quick` is a smoke run at tiny sizes, every row (results and page in a temporary
+# folder): 5-8 minutes on 2 cores. A full run needs vLLM (rollout, trl_compare, memory), TRL
+# (trl_compare, memory), SmolLM2 (trl_compare, memory) and Ray (scale_out): 2-2.5 hours on 2 cores, 70 minutes
+# of it trl_compare; shorter: BENCH_ARGS='--args "trl_compare=--iterations 2"' (bench/run_all.py, --help).
 BENCH_ARGS ?=
-bench: $(STAMP) vllm trl smollm2 ray
+bench: $(STAMP) vllm trl $(SMOLLM2_DIR)/config.json ray
 	$(PY) -m bench.run_all $(BENCH_ARGS)
+
+# SmolLM2 for the benchmarks: converted once (`make smollm2` converts again every time it is asked)
+$(SMOLLM2_DIR)/config.json:
+	$(MAKE) smollm2
 
 # TRL, for bench/trl_compare.py (its GRPOTrainer is the baseline), in its own virtualenv too: its
 # pins must not move the pipeline's. CPU torch pinned first; transformers as in the main venv.

@@ -94,6 +94,84 @@ def peak_rss_gib(include_children: bool = False) -> float:
     return peak_kib / 2**20
 
 
+# ---- processes, from /proc (Linux): memory and CPU of a process tree ------------------------------
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def children_map() -> dict[int, list[int]]:
+    """Parent pid -> its child pids, for every process now."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def process_tree(pid: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """`pid` and its live descendants (a pid in `exclude` is left out with its own descendants)."""
+    children, found, todo = children_map(), [], [pid]
+    while todo:
+        current = todo.pop()
+        if current in exclude:
+            continue
+        found.append(current)
+        todo += children.get(current, [])
+    return found
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of one process now (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as handle:
+            return int(handle.read().split()[1]) * PAGE_BYTES
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of one process now: its RSS with each shared page divided among the
+    processes that map it (so PSS summed over processes counts shared libraries once); 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as handle:
+            for line in handle:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far, all its threads (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14 and 15 of stat)
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Summed RSS of `pid` and its descendants right now (0 once it is gone)."""
+    return sum(rss_bytes(p) for p in process_tree(pid))
+
+
 def resolve_results_dir(override: str | Path | None = None) -> Path:
     """Where results go: `override`, else $BENCH_RESULTS_DIR, else bench/results."""
     chosen = override or os.environ.get(RESULTS_DIR_ENV)

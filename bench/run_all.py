@@ -6,16 +6,29 @@ a script that is not there (or has no main()) is reported and skipped. Each scri
 state) with $BENCH_RESULTS_DIR pointing at the results folder; a script's old result is removed
 before it runs, so a failed script shows as missing rather than with stale numbers.
 
-Full run: results in bench/results/, page docs/benchmarks.md; the rollout benchmark measures both
-engines (`--engine all`: vLLM is recorded as skipped where `make vllm` was not run). --quick
-(`make bench BENCH_ARGS=--quick`): tiny sizes and the hf engine only (a vLLM server alone takes
-30-100 s to start), results and page in a temporary folder (printed), so a smoke run never
-overwrites the measured page. Exit status 1 if any script failed.
+Full run: results in bench/results/, page docs/benchmarks.md. Every script runs at its own full
+size (its defaults), plus FULL_RUN_ARGS: the rollout benchmark measures both engines
+(`--engine all`); training adds SmolLM2 (`--model-dir`); trl_compare measures both engines by default (SmolLM2 and the tiny model, 3
+iterations each); memory runs the issue's SmolLM2 iteration with the vLLM engine and the
+single-turn peak against TRL. It needs `make vllm trl smollm2 ray` (`make bench` builds them)
+and takes about 2-2.5 hours on 2 cores: trl_compare ~70-75 min, memory ~30-45 min, overhead ~10, rollout
+~10, training ~8, scale_out ~3, scaling ~2. A measurement whose engine or virtualenv is missing is
+recorded as skipped, not failed. `--args "NAME=ARGS"` (repeatable) appends arguments to one
+script's command, e.g. `--args "trl_compare=--iterations 2"` (about 25 minutes less) or
+`--args "memory=--only iteration"`; from make: `make bench BENCH_ARGS='--args "trl_compare=--iterations 2"'`.
+
+--quick (`make bench BENCH_ARGS=--quick`): tiny sizes, results and page in a temporary folder
+(printed), so a smoke run never overwrites the measured page; 5-8 minutes on 2 cores, and
+every script writes every row a full run writes (QUICK_RUN_ARGS: rollout measures both engines;
+rollout, trl_compare and memory each start a tiny vLLM server for their vllm rows, ~1 minute
+each; scale_out records its 2-replica vLLM sync as skipped under --quick). Exit status 1 if any
+script failed.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -27,20 +40,38 @@ from bench.common import RESULTS_DIR, RESULTS_DIR_ENV, base_parser
 
 BENCH_DIR = Path(__file__).resolve().parent
 QUICK_DIR = Path(tempfile.gettempdir()) / "agentr1-bench-quick"
-FULL_RUN_ARGS = {"rollout": ["--engine", "all"]}  # arguments of a full (not --quick) run, per script
+# arguments of a full (not --quick) run, per script
+FULL_RUN_ARGS = {"rollout": ["--engine", "all"], "trl_compare": ["--engine", "all"],
+                 "training": ["--model-dir", "data/models/smollm2-135m-instruct"]}
+# arguments after --quick (explicit options win over a script's quick defaults): the vLLM rows too
+QUICK_RUN_ARGS = {"rollout": ["--engine", "all"]}
 
 
 def arguments(argv: list[str] | None):
     parser = base_parser(__doc__)
     parser.add_argument("--only", default="", help="comma list of benchmarks to run (default: all)")
+    parser.add_argument("--args", action="append", default=[], metavar="NAME=ARGS",
+                        help="more arguments for one script, e.g. 'trl_compare=--iterations 2' (repeatable)")
     parser.add_argument("--output", default=None,
                         help="the page to write (default: docs/benchmarks.md; with --quick, in the results dir)")
     args = parser.parse_args(argv)
     args.results_dir = Path(args.results_dir or os.environ.get(RESULTS_DIR_ENV) or
                             (QUICK_DIR if args.quick else RESULTS_DIR))
+    args.extra = extra_arguments(parser, args.args)
     if args.output is None:
         args.output = args.results_dir / "benchmarks.md" if args.quick else report.DEFAULT_OUTPUT
     return args
+
+
+def extra_arguments(parser, items: list[str]) -> dict[str, list[str]]:
+    """--args items ("name=arguments") -> {name: [argument, ...]}."""
+    extra: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, rest = item.partition("=")
+        if not sep or name.strip() not in report.BENCHMARKS:
+            parser.error(f"--args {item!r}: expected NAME=ARGS with NAME one of {', '.join(report.BENCHMARKS)}")
+        extra.setdefault(name.strip(), []).extend(shlex.split(rest))
+    return extra
 
 
 def selected(only: str) -> list[str]:
@@ -64,8 +95,8 @@ def runnable(name: str) -> str | None:
 def run_one(name: str, args) -> tuple[int, float]:
     """Run bench.<name> in a child process; (exit status, seconds)."""
     (args.results_dir / f"{name}.json").unlink(missing_ok=True)
-    extra = ["--quick"] if args.quick else FULL_RUN_ARGS.get(name, [])
-    command = [sys.executable, "-m", f"bench.{name}", *extra]
+    extra = ["--quick", *QUICK_RUN_ARGS.get(name, [])] if args.quick else FULL_RUN_ARGS.get(name, [])
+    command = [sys.executable, "-m", f"bench.{name}", *extra, *getattr(args, "extra", {}).get(name, [])]
     env = {**os.environ, RESULTS_DIR_ENV: str(args.results_dir)}
     if args.threads:  # children read it at torch import (not every script takes --threads)
         env["OMP_NUM_THREADS"] = str(args.threads)

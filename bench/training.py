@@ -24,7 +24,9 @@ Each arm gets one untimed warm-up update first (allocator, kernels, AdamW state)
 
 The trainer runs the LM head only at the loss-mask positions (agent_core/training/scoring.py), the
 raw loop at every position, as a plain PyTorch loop would: on a large vocabulary (SmolLM2's 49k,
-`--model-dir`) this is where the trainer gains most. After the timed updates one more trainer
+`--model-dir`, measured after the tiny policy's arms with --model-episodes episodes and one timed
+update; both arms then use the trainer's micro-batches, capped by tokens x vocabulary) this is
+where the trainer gains most. After the timed updates one more trainer
 update and one raw update run under torch.profiler; the ops where the trainer spends more self
 CPU time than the raw loop are in the details (`profile`), and a missed goal names them.
 
@@ -36,7 +38,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -80,8 +82,9 @@ def arguments(argv: list[str] | None):
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="padded tokens per micro-batch")
     parser.add_argument("--policy", choices=sorted(POLICY_SIZES), default="demo", help="policy size")
     parser.add_argument("--model-dir", default=None,
-                        help="train this checkpoint (e.g. SmolLM2's, `make smollm2`) instead of a random --policy; "
-                        "measurement key trainer-<dir name>")
+                        help="also measure trainer vs raw loop on this checkpoint (e.g. SmolLM2's, `make smollm2`; "
+                        "key trainer-<first word of the dir name>), after the --policy arms")
+    parser.add_argument("--model-episodes", type=int, default=8, help="--model-dir: episodes per update (one update)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled update of each arm")
     parser.add_argument("--seed", type=int, default=0, help="seed of the episodes and the initial weights")
     return parse_args(parser, argv, QUICK)
@@ -195,48 +198,52 @@ def measurements(trainer: Arm, raw: Arm, steps: Arm, key: str = "trainer",
     return out
 
 
-def load_model(args, sizes: Sizes):
-    """The model and tokenizer to train: a checkpoint (--model-dir) or a random --policy."""
-    if args.model_dir:
-        from pathlib import Path
-
-        from agent_core.io.checkpoints import load_policy
-
-        return load_policy(Path(args.model_dir))
-    return tiny_policy(synthetic_task(args.seed, small=True), POLICY_SIZES[sizes.policy], seed=args.seed)
+def measure(model, tokenizer, sizes: Sizes, args, progress: Progress, key: str, step_rows: bool) -> list[Measurement]:
+    """The arms on one model: trainer and raw loop on packed rows (and the trainer on step rows)."""
+    episodes = append_only_episodes(sizes.episodes, steps=sizes.steps, prompt_len=sizes.prompt_len,
+                                    response_len=sizes.response_len, obs_len=sizes.obs_len,
+                                    vocab_size=len(tokenizer), seed=args.seed)
+    packed, pad = choose_layout(episodes, "packed"), tokenizer.pad_token_id
+    arms = [Arm(f"{key}/packed", model, packed, pad, sizes, raw=False), Arm(f"raw/{key}", model, packed, pad, sizes, raw=True)]
+    if step_rows:
+        arms.append(Arm(f"{key}/step", model, choose_layout(episodes, "step"), pad, sizes, raw=False))
+    progress(f"{key}: {sizes.episodes} episodes x {sizes.steps} steps, {len(packed)} packed rows ({arms[0].tokens} "
+             f"tokens){f', {len(arms[2].rows)} step rows ({arms[2].tokens} tokens)' if step_rows else ''}, policy "
+             f"{sizes.policy} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters), "
+             f"{sizes.micro_batch_tokens} tokens per micro-batch")
+    run_arms(arms, sizes.updates, progress)
+    profile = None if args.no_profile else profile_difference(arms[0], arms[1])
+    if profile:
+        progress(f"{key} profiled: trainer {profile['trainer_seconds']}s, raw {profile['raw_seconds']}s of self CPU time")
+    found = measurements(*arms, key=key, profile=profile) if step_rows else \
+        measurements(arms[0], arms[1], arms[0], key=key, profile=profile)[:1]
+    for m in found:
+        m.details["config"] = asdict(sizes)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     progress = Progress(NAME)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args, None if args.model_dir else Sizes(0, 0, 0, 0, 0, 0, 0, args.policy))
-    # both arms get the micro-batches the trainer makes: capped by tokens x vocabulary (SmolLM2: 1365 tokens)
-    micro_batch_tokens = vocab_capped_tokens(args.micro_batch_tokens, model_vocab_size(model))
-    policy = f"dir:{args.model_dir.rstrip('/').split('/')[-1]}" if args.model_dir else args.policy
+    model, tokenizer = tiny_policy(synthetic_task(args.seed, small=True), POLICY_SIZES[args.policy], seed=args.seed)
     sizes = Sizes(args.episodes, args.steps, args.prompt_len, args.response_len, args.obs_len, args.updates,
-                  micro_batch_tokens, policy)
-    episodes = append_only_episodes(sizes.episodes, steps=sizes.steps, prompt_len=sizes.prompt_len,
-                                    response_len=sizes.response_len, obs_len=sizes.obs_len,
-                                    vocab_size=len(tokenizer), seed=args.seed)
-    packed, step_rows = choose_layout(episodes, "packed"), choose_layout(episodes, "step")
-    pad = tokenizer.pad_token_id
-    arms = [Arm("trainer/packed", model, packed, pad, sizes, raw=False),
-            Arm("raw/packed", model, packed, pad, sizes, raw=True),
-            Arm("trainer/step", model, step_rows, pad, sizes, raw=False)]
-    progress(f"{sizes.episodes} episodes x {sizes.steps} steps: {len(packed)} packed rows ({arms[0].tokens} tokens), "
-             f"{len(step_rows)} step rows ({arms[2].tokens} tokens), policy {sizes.policy} "
-             f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters), {micro_batch_tokens} tokens "
-             "per micro-batch")
-    run_arms(arms, sizes.updates, progress)
-    profile = None if args.no_profile else profile_difference(arms[0], arms[1])
-    if profile:
-        progress(f"profiled: trainer {profile['trainer_seconds']}s, raw {profile['raw_seconds']}s of self CPU time")
-    key = f"trainer-{policy.split(':')[-1]}" if args.model_dir else "trainer"
-    write_result(NAME, TITLE, measurements(*arms, key=key, profile=profile), seconds=progress.elapsed,
-                 config=asdict(sizes), results_dir=args.results_dir, argv=argv, notes=(
+                  vocab_capped_tokens(args.micro_batch_tokens, model_vocab_size(model)), args.policy)
+    found = measure(model, tokenizer, sizes, args, progress, "trainer", step_rows=True)
+    if args.model_dir:  # a real vocabulary: both arms get the micro-batches the trainer makes (tokens x vocab cap)
+        from pathlib import Path
+
+        from agent_core.io.checkpoints import load_policy
+
+        model, tokenizer = load_policy(Path(args.model_dir))
+        name = Path(args.model_dir).name
+        model_sizes = replace(sizes, episodes=args.model_episodes, updates=1, policy=name,
+                              micro_batch_tokens=vocab_capped_tokens(args.micro_batch_tokens, model_vocab_size(model)))
+        found += measure(model, tokenizer, model_sizes, args, progress, f"trainer-{name.split('-')[0]}", step_rows=False)
+    write_result(NAME, TITLE, found, seconds=progress.elapsed, config=asdict(sizes), results_dir=args.results_dir,
+                 argv=argv, notes=(
                      f"torch threads: {torch.get_num_threads()}. Ratios from {sizes.updates} alternating timed "
-                     "updates per arm after one warm-up update."))
+                     "updates per arm after one warm-up update (--model-dir: one)."))
     return 0
 
 

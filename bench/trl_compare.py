@@ -1,9 +1,12 @@
 """This pipeline vs TRL's GRPOTrainer: seconds per iteration of identical single-turn GRPO work.
 
 What is measured: one GRPO iteration = P prompts x G samples x up to T new tokens (default 16 x 4
-x 64), generated with HF transformers `generate` on CPU, rewarded (exact match of an <answer>),
-group-normalized advantages, and ONE optimizer step over all P*G completions (no KL term, fp32,
-temperature 1, top_p 1, no top_k, the same learning rate, clip range and grad clipping).
+x 64), rewarded (exact match of an <answer>), group-normalized advantages, and ONE optimizer step
+over all P*G completions (no KL term, fp32, temperature 1, top_p 1, no top_k, the same learning
+rate, clip range and grad clipping). TRL generates with HF transformers `generate` on CPU; the
+pipeline with the engine named by --engine: `hf` (the same `generate`: the like-for-like row,
+keys `smollm2`, `tiny`) and `vllm` (the pipeline's vLLM CPU server: keys `smollm2-vllm`,
+`tiny-vllm`); `--engine all` (the default) measures both, each against its own TRL run.
 
 - This pipeline: the training flow (flows/train.py) run in this process on a temporary data root,
   with policy.source=path (the same model directory as TRL), rollout.max_steps=1 (single turn: the
@@ -11,31 +14,48 @@ temperature 1, top_p 1, no top_k, the same learning rate, clip range and grad cl
   max_new_tokens T, GRPO, trainer.epochs=1 and mini_batches=1 (gradient accumulation over the
   trainer's default micro-batches: micro_batch_tokens, capped by micro_batch_logits to 1365 tokens
   for SmolLM2's 49k vocabulary; TRL: 4 micro-batches of P*G/4 completions), no warm start, no dev
-  eval. Each
-  stage task the flow calls is wrapped with a timer, so an iteration's wall time (prepare_data
-  start to log_iteration end) splits into prepare / rollout / rewards / advantages / train /
-  tracking. Everything an iteration does counts: its Parquet tables, loading the policy for the
-  rollout and for training, saving checkpoint and optimizer state, MLflow logging and registration.
+  eval. Each stage task the flow calls is wrapped with a timer, so an iteration's wall time
+  (prepare_data start to log_iteration end) splits into prepare / rollout / rewards / advantages /
+  train / tracking; inside them the engine's generate calls, the vLLM server's start and weight
+  reloads and the trainer's forward/backward/optimizer step are timed too
+  (`probe_seconds_per_iteration`). Everything an iteration does counts: its Parquet tables,
+  loading the policy for the rollout and for training, saving checkpoint and optimizer state,
+  MLflow logging and registration, and with vllm the weight reload into the running server. The
+  vLLM server starts in the first iteration, which the median leaves out.
 - TRL: bench/trl_grpo_worker.py in .venv-trl (`make trl`), a separate process fed the very
   prompts the pipeline's prepare_data stage picks (iteration k's prompts are TRL's step k,
   unshuffled) as chat messages, so both sides render them with the model's chat template; the
   prompt token counts of both sides are compared (`prompt_tokens_match`). Seconds per step from
-  TrainerCallback timestamps; generation and scoring are timed inside the step.
+  TrainerCallback timestamps; generation and scoring are timed inside the step. TRL's side always
+  uses HF generate: TRL 1.16's vLLM integration cannot run on this CPU machine. Its server mode
+  syncs weights through vLLM's NCCL weight-transfer engine, and `VLLMClient.init_communicator`
+  raises NotImplementedError for a non-CUDA device (trl/generation/vllm_client.py); its colocate
+  mode builds `vllm.LLM` inside the trainer with the `external_launcher` executor and a
+  `gpu_memory_utilization`, for the training GPUs (trl/generation/vllm_generation.py); and
+  .venv-trl has no vLLM. On a GPU, TRL's `use_vllm=True` would be the fair opponent of `vllm`.
 
 The two sides alternate: TRL step k, then pipeline iteration k (the worker waits on a pipe), so a
 change in the machine's load hits both alike. Ratio = TRL median seconds per step / pipeline
 median seconds per iteration, both over the iterations after the first (warm-up; the first ones
-are reported too). Goal for SmolLM2-135M-Instruct: >= 1.5 (the pipeline at least 1.5x faster). The
-tiny from-scratch model has no goal: there fixed per-iteration overheads dominate, as the split
-shows. CPU seconds (all threads of each process) per iteration are in the details too: less
-sensitive to other work on the machine than wall time.
+are reported too). Goal for SmolLM2-135M-Instruct, both engines: >= 2.0 (the pipeline at least
+twice as fast). The tiny from-scratch model has no goal: there fixed per-iteration overheads
+dominate, as the split shows. CPU seconds per iteration (all threads; the pipeline's include its
+Prefect and vLLM server processes, not the TRL worker) are in the details too: less sensitive to
+other work on the machine than wall time.
+
+Cost of a full run (2 quiet cores, SmolLM2; the last full hf run: TRL 410 s per step, pipeline
+335 s per iteration): one iteration of both sides takes about 12 minutes with the hf engine and
+about 11 with vllm (whose first also starts the server, ~1 min), so the default 3 iterations x both
+engines take about 70-75 minutes, the tiny model 2-3 more; --iterations N (at least 2) scales it
+linearly, --engine hf or vllm about halves it, --model smollm2 leaves the tiny model out.
 
 Threads: OMP_WAIT_POLICY=PASSIVE is set for both sides unless already set: with torch's default
 (spinning) OpenMP threads, a 2-core machine shared with other work ran HF generate 5-15x slower
 (measured here: 64x64 tokens on the tiny model 4-7 s passive or 1 thread, 30-73 s spinning).
 Timings on a shared machine are noisy all the same.
 
-    .venv/bin/python -m bench.trl_compare [--model smollm2|tiny|both] [--engine hf|vllm] [--quick]
+    .venv/bin/python -m bench.trl_compare [--model smollm2|tiny|both] [--engine hf|vllm|all]
+        [--iterations N] [--quick]
 """
 
 from __future__ import annotations
@@ -52,14 +72,16 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.common import Goal, Measurement, base_parser, parse_args, skipped_measurement, write_result
+from bench.common import (
+    Goal, Measurement, base_parser, cpu_seconds, parse_args, process_tree, skipped_measurement, write_result,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = REPO / "data" / "models" / "smollm2-135m-instruct"
 TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
 WORKER = Path(__file__).resolve().with_name("trl_grpo_worker.py")
 NAME = "trl_compare"
-GOAL = Goal("TRL seconds per iteration / this pipeline's seconds per iteration (SmolLM2-135M)", ">=", 1.5)
+GOAL = Goal("TRL seconds per iteration / this pipeline's seconds per iteration (SmolLM2-135M)", ">=", 2.0)
 # flows.train's stage tasks (module attributes the flow body calls) -> name in the time split
 STAGES = {"prepare_data": "prepare", "rollout": "rollout", "label_rewards": "rewards",
           "compute_advantages": "advantages", "train_policy": "train", "log_iteration": "tracking"}
@@ -145,24 +167,52 @@ def pipeline_config(model_dir: Path, data_root: Path, setting: Setting, engine: 
     }, source="bench.trl_compare")
 
 
+# flows.train's calls before the first and after the last iteration (setup and wrap-up), timed as events
+RUN_CALLS = ("_train", "record_config", "prepare_dataset", "init_policy", "start_tracking", "report_run",
+             "finish_tracking")
+# library calls timed wherever they happen: (module, attribute path, event label); a missing one is skipped
+# (the library may have moved it), and its seconds are then reported as null
+PROBES = (
+    ("agent_core.rollout.vllm_server", "VLLMServer.start", "vllm_server_start"),
+    ("agent_core.rollout.vllm_server", "VLLMServer.reload", "vllm_reload"),
+    ("agent_core.rollout.hf_engine", "HFEngine.generate", "generate"),
+    ("agent_core.rollout.vllm_engine", "VLLMEngine.generate", "generate"),
+    ("agent_core.training.trainer", "_accumulate_and_step", "train_compute"),
+)
+
+
 class StageClock:
-    """Wall seconds of every stage call, by iteration (stage tasks all take (run, iteration, ...)).
-    before_iteration(k), if given, runs before iteration k's first stage, outside its timing."""
+    """Wall seconds of every stage call, by iteration (stage tasks all take (run, iteration, ...)),
+    and `events`: (label, iteration or None, start, end) in unix seconds for the stages
+    ("stage:<label>"), flows.train's setup and wrap-up calls (RUN_CALLS) and the PROBES' library
+    calls (generate, vLLM server start/reload, the trainer's forward/backward/step), so they can
+    be lined up with memory samples taken by another process.
+    before_iteration(k), if given, runs before iteration k's first stage, outside its timing.
+    CPU seconds: this process's plus those of its live descendants (Prefect's server, a vLLM
+    server), except the pids in `exclude_pids` and theirs (e.g. the TRL worker)."""
 
     def __init__(self, before_iteration=None):
         self.before_iteration = before_iteration
+        self.exclude_pids: set[int] = set()
         self.seconds: dict[int, dict[str, float]] = defaultdict(dict)
         self.spans: dict[int, list[float]] = {}  # iteration -> [wall start, wall end, cpu start, cpu end]
+        self.events: list[tuple[str, int | None, float, float]] = []
+        self.probed: set[str] = set()  # PROBES labels that could be installed
+
+    def cpu_now(self) -> float:
+        others = process_tree(os.getpid(), frozenset(self.exclude_pids))[1:]
+        return time.process_time() + sum(cpu_seconds(pid) for pid in others)
 
     def wrap(self, label: str, task):
         def timed(run, iteration, *args, **kwargs):
             if label == "prepare" and self.before_iteration is not None:
                 self.before_iteration(iteration)
-            started, cpu = time.perf_counter(), time.process_time()
+            started, cpu = time.time(), self.cpu_now()
             try:
                 return task(run, iteration, *args, **kwargs)
             finally:
-                ended, cpu_end = time.perf_counter(), time.process_time()
+                ended, cpu_end = time.time(), self.cpu_now()
+                self.events.append((f"stage:{label}", iteration, started, ended))
                 self.seconds[iteration][label] = self.seconds[iteration].get(label, 0.0) + ended - started
                 span = self.spans.setdefault(iteration, [started, ended, cpu, cpu_end])
                 span[1], span[3] = ended, cpu_end
@@ -171,30 +221,89 @@ class StageClock:
                           f"({', '.join(f'{k} {v:.2f}' for k, v in self.seconds[iteration].items())})", flush=True)
         return timed
 
+    def wrap_call(self, label: str, fn):
+        def timed(*args, **kwargs):
+            started = time.time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.events.append((label, None, started, time.time()))
+        return timed
+
     def iteration_seconds(self) -> list[float]:
         return [span[1] - span[0] for _, span in sorted(self.spans.items())]
 
     def iteration_cpu_seconds(self) -> list[float]:
         return [span[3] - span[2] for _, span in sorted(self.spans.items())]
 
+    def within(self, label: str, start: float, end: float) -> float:
+        """Seconds of [start, end] during which a `label` call was running (overlapping calls count once)."""
+        intervals = sorted((max(s, start), min(e, end)) for name, _, s, e in self.events
+                           if name == label and s < end and e > start)
+        total, reach = 0.0, start
+        for s, e in intervals:
+            if e > reach:
+                total += e - max(s, reach)
+                reach = e
+        return total
 
-def run_pipeline(config, before_iteration=None) -> tuple[object, StageClock]:
-    """Run the training flow with every stage timed; returns (TrainResult, clock)."""
+    def first(self, label: str) -> tuple[float, float] | None:
+        found = [(s, e) for name, _, s, e in self.events if name == label]
+        return min(found) if found else None
+
+    def probes(self, k: int) -> dict[str, float | None]:
+        """Iteration k's seconds in each probed call (None: the probe could not be installed)."""
+        start, end = self.spans[k][0], self.spans[k][1]
+        labels = dict.fromkeys(label for _, _, label in PROBES)
+        return {label: (self.within(label, start, end) if label in self.probed else None) for label in labels}
+
+
+def _resolve(module_name: str, path: str):
+    """(owner object, attribute name) of `module.path`, or None when it does not exist."""
+    import importlib
+
+    try:
+        owner = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    *parents, name = path.split(".")
+    for part in parents:
+        owner = getattr(owner, part, None)
+    return (owner, name) if owner is not None and callable(getattr(owner, name, None)) else None
+
+
+def run_pipeline(config, before_iteration=None, clock: StageClock | None = None) -> tuple[object, StageClock]:
+    """Run the training flow with every stage, setup call and probe timed; returns (TrainResult, clock)."""
     from flows.environment import configure_environment
 
     configure_environment(config.data_root)  # before prefect is imported
     import flows.train as train_flow
     from agent_core.rollout.engines import shutdown_engines
 
-    clock = StageClock(before_iteration)
-    originals = {name: getattr(train_flow, name) for name in STAGES}
+    clock = clock or StageClock(before_iteration)
+    patched = []  # (owner, name, original)
     for name, label in STAGES.items():
-        setattr(train_flow, name, clock.wrap(label, originals[name]))
+        patched.append((train_flow, name, getattr(train_flow, name)))
+        setattr(train_flow, name, clock.wrap(label, getattr(train_flow, name)))
+    for name in RUN_CALLS:
+        patched.append((train_flow, name, getattr(train_flow, name)))
+        setattr(train_flow, name, clock.wrap_call(f"run:{name}", getattr(train_flow, name)))
+    for module_name, path, label in PROBES:
+        target = _resolve(module_name, path)
+        if target is None:
+            print(f"bench: {module_name}.{path} not found: its seconds ({label}) are not measured", flush=True)
+            continue
+        owner, name = target
+        patched.append((owner, name, owner.__dict__[name] if name in vars(owner) else getattr(owner, name)))
+        setattr(owner, name, clock.wrap_call(label, getattr(owner, name)))
+        clock.probed.add(label)
+    started = time.time()
     try:
         result = train_flow.train(config)
     finally:
-        for name, task in originals.items():
-            setattr(train_flow, name, task)
+        clock.events.append(("run:train", None, started, time.time()))
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
         shutdown_engines()
     return result, clock
 
@@ -207,7 +316,7 @@ def planned_prompts(config) -> list[dict]:
     from agent_core.envs.search import Bm25Index
     from agent_core.io.layout import DataRoot
     from agent_core.io.tables import read_table
-    from tasks._common import read_corpus
+    from tasks._common import env_of, read_corpus
     from tasks.prepare_data import prepare_data, prepare_dataset
 
     run = DataRoot(Path(config.data_root)).run(config.run_id)
@@ -217,7 +326,7 @@ def planned_prompts(config) -> list[dict]:
     for k in range(config.iterations):
         uri = prepare_data.fn(run, k, dataset, config.data, config.seed)
         for prompt in (row_to_prompt(r) for r in read_table("prompts", uri).to_pylist()):
-            env = make_env(prompt.env_name, {**prompt.env_kwargs, **config.rollout.env_kwargs}, resources)
+            env = make_env(*env_of(prompt, config.rollout), resources)  # as the rollout makes it
             if getattr(env, "tools_for_template", None):
                 raise RuntimeError("the env passes tools to the chat template; the TRL worker renders messages only")
             rows.append({"messages": [m.as_dict() for m in env.reset(prompt)], "answers": list(prompt.answers)})
@@ -241,33 +350,53 @@ def pipeline_tokens(config, run_dir: Path) -> tuple[list[int], list[int]]:
 
 # ---- TRL --------------------------------------------------------------------------------------------
 
+TRL_PREFIX = "TRLW "  # the worker's event lines on stdout (bench/trl_grpo_worker.py)
+
+
+def trl_spec(model_dir: Path, rows: list[dict], setting: Setting, workdir: Path, lockstep: bool) -> Path:
+    """The worker's SPEC.json (its module docstring) for `setting`, written into `workdir`."""
+    if not TRL_PYTHON.is_file():
+        raise FileNotFoundError(f"{TRL_PYTHON} not found: run `make trl` first (TRL in its own virtualenv)")
+    spec = {"model_dir": str(model_dir), "prompts": rows, "prompts_per_step": setting.prompts,
+            "num_generations": setting.group_size, "max_completion_length": setting.max_new_tokens,
+            "steps": setting.iterations, "learning_rate": setting.lr, "grad_accum": setting.trl_grad_accum,
+            "seed": setting.seed, "output_dir": str(workdir / "trl_output"), "threads": setting.threads,
+            "lockstep": lockstep}
+    path = workdir / "trl_spec.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def trl_command(spec_path: Path) -> tuple[list[str], dict]:
+    """(argv, environment) that run the worker: .venv-trl's Python, nothing of this project on its path."""
+    return [str(TRL_PYTHON), str(WORKER), str(spec_path)], {**os.environ, "PYTHONPATH": ""}
+
+
+def trl_events(lines) -> dict[str, dict]:
+    """The worker's last event of each kind from its stdout lines."""
+    events = {}
+    for line in lines:
+        if line.startswith(TRL_PREFIX):
+            message = json.loads(line[len(TRL_PREFIX):])
+            events[message["event"]] = message
+    return events
+
 
 class TrlWorker:
     """bench/trl_grpo_worker.py in .venv-trl, stepped over a pipe (its module docstring: protocol)."""
 
-    PREFIX = "TRLW "
-
     def __init__(self, model_dir: Path, rows: list[dict], setting: Setting, workdir: Path):
-        if not TRL_PYTHON.is_file():
-            raise FileNotFoundError(f"{TRL_PYTHON} not found: run `make trl` first (TRL in its own virtualenv)")
         self.steps = setting.iterations
-        spec = {"model_dir": str(model_dir), "prompts": rows, "prompts_per_step": setting.prompts,
-                "num_generations": setting.group_size, "max_completion_length": setting.max_new_tokens,
-                "steps": self.steps, "learning_rate": setting.lr, "grad_accum": setting.trl_grad_accum,
-                "seed": setting.seed, "output_dir": str(workdir / "trl_output"), "threads": setting.threads,
-                "lockstep": True}
-        spec_path = workdir / "trl_spec.json"
-        spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "PYTHONPATH": ""}  # nothing from this project reaches the worker
+        command, env = trl_command(trl_spec(model_dir, rows, setting, workdir, lockstep=True))
         print(f"bench: starting the TRL worker ({TRL_PYTHON.relative_to(REPO)})", flush=True)
-        self.process = subprocess.Popen([str(TRL_PYTHON), str(WORKER), str(spec_path)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, bufsize=1, env=env, cwd=workdir)
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                        env=env, cwd=workdir)
         self.result: dict | None = None
 
     def _next(self, event: str) -> dict:
         for line in self.process.stdout:
-            if line.startswith(self.PREFIX):
-                message = json.loads(line[len(self.PREFIX):])
+            if line.startswith(TRL_PREFIX):
+                message = json.loads(line[len(TRL_PREFIX):])
                 if message["event"] == event:
                     return message
         raise RuntimeError(f"the TRL worker exited (status {self.process.wait()}) before '{event}'; "
@@ -298,45 +427,79 @@ def _pipeline_details(clock: StageClock, generated: list[int]) -> dict:
     measured = sorted(clock.seconds)[1:] or sorted(clock.seconds)
     split = {label: statistics.median(clock.seconds[k].get(label, 0.0) for k in measured) for label in STAGES.values()}
     split["other"] = median_after_first(iterations) - sum(split.values())
+    probes = {k: clock.probes(k) for k in sorted(clock.spans)}
+    labels = probes[measured[0]]
+    probe_medians = {label: (None if labels[label] is None else statistics.median(probes[k][label] for k in measured))
+                     for label in labels}
     return {"median_iteration_seconds": median_after_first(iterations), "first_iteration_seconds": iterations[0],
             "iteration_seconds": iterations, "iteration_cpu_seconds": clock.iteration_cpu_seconds(),
-            "stage_seconds_per_iteration": split, "generated_tokens_per_iteration": generated}
+            "stage_seconds_per_iteration": split, "probe_seconds_per_iteration": probe_medians,
+            "probe_seconds": [probes[k] for k in sorted(probes)], "generated_tokens_per_iteration": generated,
+            "median_generated_tokens": median_after_first(generated)}
 
 
-def _why_missed(ratio: float, ours: dict, trl: dict) -> str:
-    """Why the pipeline is not 1.5x faster, from the stage split of both sides."""
-    split = ours["stage_seconds_per_iteration"]
-    rest = sum(v for k, v in split.items() if k not in ("rollout", "train"))
+def why_missed_speed(goal: float, ours: dict, trl: dict) -> str:
+    """Why this pipeline is not `goal` times faster than TRL, from the measured parts of both sides:
+    the budget the goal leaves, each side's generation and training seconds, and what each part
+    would have to take for the goal with the others as measured."""
+    trl_step, mine = trl["median_step_seconds"], ours["median_iteration_seconds"]
+    budget = trl_step / goal
+    split, probes = ours["stage_seconds_per_iteration"], ours.get("probe_seconds_per_iteration") or {}
+    rollout, train = split["rollout"], split["train"]
+    rest = mine - rollout - train
     trl_generate = trl["median_generate_seconds"] + trl["median_score_seconds"]
-    return (
-        f"TRL {trl['median_step_seconds']:.1f} s/step vs the pipeline {ours['median_iteration_seconds']:.1f} "
-        f"s/iteration (ratio {ratio:.2f}). Generation: pipeline rollout stage {split['rollout']:.1f} s vs TRL "
-        f"generate+score {trl_generate:.1f} s; training: pipeline train stage {split['train']:.1f} s vs TRL "
-        f"{trl['median_train_seconds']:.1f} s; pipeline stages around them (tables, rewards, advantages, MLflow) "
-        f"{rest:.1f} s. With the HF engine both sides run the same transformers generate and forward/backward "
-        "kernels, so whatever edge the pipeline has comes from doing less around them; 1.5x needs less work per "
-        "token. What would close it: the vLLM engine for the rollout "
-        "(--engine vllm; continuous batching, no padded decoding of finished sequences); in training, logits "
-        "only at action positions (the trainer computes the full-vocabulary head and log-softmax at prompt "
-        "positions too; TRL keeps only the completion's logits); keeping policy and optimizer in memory across "
-        "stages instead of reloading and saving them (checkpoint + AdamW state) every iteration; and "
-        "registering checkpoints in MLflow less often than every iteration."
-    )
+    trl_train = trl["median_train_seconds"]
+    tokens = ours.get("median_generated_tokens")
+    trl_tokens = median_after_first(trl["generated_tokens_per_step"]) if trl.get("generated_tokens_per_step") else None
+    lines = [f"{goal:g}x TRL's {trl_step:.1f} s/step leaves the pipeline {budget:.1f} s per iteration; it took "
+             f"{mine:.1f} s ({mine - budget:.1f} s over; ratio {trl_step / mine:.2f})."]
+    generation = f"Generation: rollout stage {rollout:.1f} s vs TRL's generate+score {trl_generate:.1f} s"
+    if probes.get("generate") is not None:
+        generation += f" (engine calls in flight {probes['generate']:.1f} s of it"
+        if probes.get("vllm_reload"):
+            generation += f", weight reload {probes['vllm_reload']:.1f} s"
+        generation += ")"
+    if tokens and trl_tokens and rollout > 0 and trl_generate > 0:
+        generation += (f"; {tokens / rollout:.0f} vs {trl_tokens / trl_generate:.0f} generated tokens/s "
+                       f"({tokens:.0f} vs {trl_tokens:.0f} tokens)")
+    lines.append(generation + ".")
+    training = f"Training: train stage {train:.1f} s vs TRL's {trl_train:.1f} s"
+    if probes.get("train_compute") is not None:
+        training += (f" (forward/backward/optimizer {probes['train_compute']:.1f} s of it, loading, batching and "
+                     f"saving policy and optimizer state {train - probes['train_compute']:.1f} s)")
+    lines.append(training + ".")
+    lines.append(f"Everything else (prepare, rewards, advantages, MLflow): {rest:.1f} s.")
+    need_train, need_rollout = budget - rollout - rest, budget - train - rest
+    lines.append(
+        (f"With generation and the rest as measured, training would have to take <= {need_train:.1f} s "
+         f"({train / need_train:.1f}x faster than now); " if need_train > 0 else
+         f"Generation and the rest alone ({rollout + rest:.1f} s) exceed the budget, so faster training cannot "
+         "reach the goal alone; ")
+        + (f"with training and the rest as measured, generation would have to take <= {need_rollout:.1f} s "
+           f"({rollout / need_rollout:.1f}x faster)." if need_rollout > 0 else
+           f"training and the rest alone ({train + rest:.1f} s) exceed the budget, so faster generation cannot "
+           "reach it alone."))
+    lines.append(f"Each part at {goal:g}x TRL's: generation <= {trl_generate / goal:.1f} s (now "
+                 f"{rollout / max(trl_generate / goal, 1e-9):.1f}x that), training <= {trl_train / goal:.1f} s (now "
+                 f"{train / max(trl_train / goal, 1e-9):.1f}x that).")
+    return " ".join(lines)
 
 
 def compare(model: str, setting: Setting, engine: str, root: Path) -> Measurement:
     """Run both sides on `model` (smollm2 or tiny) under `root`, alternating; the ratio and its details."""
     from agent_core.io.layout import new_run_id
 
-    workdir = root / model
+    workdir = root / _key(model, engine)
     workdir.mkdir(parents=True)
     model_dir = smollm2_dir() if model == "smollm2" else build_tiny_model(workdir / "tiny_model")
     config = pipeline_config(model_dir, root / "data", setting, engine, run_id=new_run_id())
     worker = TrlWorker(model_dir, planned_prompts(config), setting, workdir)
+    clock = StageClock(before_iteration=worker.step)
+    clock.exclude_pids.add(worker.process.pid)  # the pipeline's CPU seconds leave TRL's out
     print(f"bench: [{model}] {setting.iterations} x (TRL step, then pipeline iteration with the {engine} engine), "
           f"{setting.prompts} prompts x {setting.group_size} samples x {setting.max_new_tokens} tokens", flush=True)
     try:
-        result, clock = run_pipeline(config, before_iteration=worker.step)
+        result, clock = run_pipeline(config, clock=clock)
     finally:
         worker.stop()
     trl = worker.result
@@ -355,8 +518,8 @@ def compare(model: str, setting: Setting, engine: str, root: Path) -> Measuremen
     goal = _goal(model)
     measurement = Measurement(key=_key(model, engine), ratio=ratio, goal=goal, details=details)
     if goal is not None and not goal.met(ratio):
-        measurement.why_missed = _why_missed(ratio, ours, trl)
-    print(f"bench: [{model}] TRL {trl['median_step_seconds']:.2f} s/step, pipeline "
+        measurement.why_missed = why_missed_speed(goal.value, ours, trl)
+    print(f"bench: [{_key(model, engine)}] TRL {trl['median_step_seconds']:.2f} s/step, pipeline "
           f"{ours['median_iteration_seconds']:.2f} s/iteration -> ratio {ratio:.2f}", flush=True)
     return measurement
 
@@ -369,38 +532,52 @@ def _goal(model: str) -> Goal | None:
     return GOAL if model == "smollm2" else None
 
 
-def measure_all(models: list[str], setting: Setting, engine: str, root: Path) -> list[Measurement]:
-    """compare() each model; with --engine vllm a missing or failing engine is recorded as skipped."""
+def measure_all(models: list[str], setting: Setting, engines: list[str], root: Path) -> list[Measurement]:
+    """compare() each model with each engine (hf first); a missing or failing vLLM engine is recorded
+    as skipped (hf must work)."""
     from agent_core.rollout.engines import ENGINES
 
-    if engine != "hf" and engine not in ENGINES.names():
-        reason = f"no engine registered as {engine!r} (valid: {', '.join(ENGINES.names())})"
-        return [skipped_measurement(_key(m, engine), _goal(m), reason) for m in models]
     measurements = []
-    for model in models:
-        try:
-            measurements.append(compare(model, setting, engine, root))
-        except Exception as error:  # noqa: BLE001 - only the optional engine may fail without failing the run
-            if engine == "hf":
-                raise
-            measurements.append(skipped_measurement(_key(model, engine), _goal(model), f"{engine} failed: {error}"))
+    for engine in engines:
+        if engine != "hf" and engine not in ENGINES.names():
+            reason = f"no engine registered as {engine!r} (valid: {', '.join(ENGINES.names())})"
+            measurements += [skipped_measurement(_key(m, engine), _goal(m), reason) for m in models]
+            continue
+        if engine == "vllm":
+            from agent_core.rollout.vllm_server import VLLMNotInstalledError, VLLMOptions, vllm_python
+
+            try:
+                vllm_python(VLLMOptions())
+            except VLLMNotInstalledError as error:
+                measurements += [skipped_measurement(_key(m, engine), _goal(m), str(error).split(". ")[0] +
+                                                     " (`make vllm`)") for m in models]
+                continue
+        for model in models:
+            try:
+                measurements.append(compare(model, setting, engine, root))
+            except Exception as error:  # noqa: BLE001 - only the optional engine may fail without failing the run
+                if engine == "hf":
+                    raise
+                measurements.append(skipped_measurement(_key(model, engine), _goal(model), f"{engine} failed: {error}"))
     return measurements
 
 
 def arguments(argv: list[str] | None):
     parser = base_parser(__doc__)
     parser.add_argument("--model", choices=("smollm2", "tiny", "both"), default="both",
-                        help="smollm2: SmolLM2-135M-Instruct (needs `make smollm2`; has the 1.5x goal); "
+                        help="smollm2: SmolLM2-135M-Instruct (needs `make smollm2`; has the goal); "
                              "tiny: a from-scratch 1M-parameter Llama (no goal); both (default)")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                        help="the pipeline's rollout engine (TRL always uses HF generate); vllm needs `make vllm`")
+    parser.add_argument("--engine", choices=("hf", "vllm", "all"), default="all",
+                        help="the pipeline's rollout engine; all (default): hf, then vllm, each its own measurement "
+                             "(TRL always uses HF generate); vllm needs `make vllm`, else it is recorded as skipped")
     parser.add_argument("--iterations", type=int, default=3,
-                        help="iterations (= TRL steps) per side; the first is warm-up, the rest give the median")
+                        help="iterations (= TRL steps) per side and engine; the first is warm-up, the rest give the "
+                             "median (SmolLM2: about 12 minutes per iteration with hf, both sides together)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
     parser.add_argument("--group-size", type=int, default=4, help="samples per prompt (GRPO group)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per sample at most")
     parser.add_argument("--keep", action="store_true", help="keep the temporary data root (printed) for inspection")
-    args = parse_args(parser, argv, QUICK)  # --quick: tiny model, 2 iterations of 4 x 4 x 16 (about a minute)
+    args = parse_args(parser, argv, QUICK)  # --quick: tiny model, 2 iterations of 4 x 4 x 16, both engines
     if args.iterations < 2:
         parser.error("--iterations must be at least 2 (the first is warm-up)")
     return args
@@ -412,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     setting = Setting(prompts=args.prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                       iterations=args.iterations, threads=args.threads)
     models = ["smollm2", "tiny"] if args.model == "both" else [args.model]
+    engines = ["hf", "vllm"] if args.engine == "all" else [args.engine]
     if "smollm2" in models:
         smollm2_dir()  # fail before any work
     started = time.perf_counter()
@@ -420,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_environment(root / "data")  # Prefect reads its settings when first imported (tasks import it)
     try:
-        measurements = measure_all(models, setting, args.engine, root)
+        measurements = measure_all(models, setting, engines, root)
     finally:
         if args.keep:
             print(f"bench: kept {root}")
@@ -430,8 +608,10 @@ def main(argv: list[str] | None = None) -> int:
                  seconds=time.perf_counter() - started, results_dir=args.results_dir, argv=argv, data_root=root,
                  notes="Noisy: a shared 2-core CPU machine. The sides alternate (TRL step k, then pipeline "
                        "iteration k). The pipeline's iteration includes its Parquet tables, loading and saving "
-                       "policy and optimizer state, and MLflow registration; TRL's step keeps all in memory.",
-                 config={**asdict(setting), "models": models, "engine": args.engine,
+                       "policy and optimizer state, and MLflow registration; TRL's step keeps all in memory. "
+                       "With the vllm engine the pipeline's first iteration also starts the vLLM server (the "
+                       "median leaves the first iteration out) and its CPU seconds include the server's.",
+                 config={**asdict(setting), "models": models, "engines": engines,
                          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")})
     return 0
 

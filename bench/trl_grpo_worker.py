@@ -27,6 +27,10 @@ Timing: a TrainerCallback takes on_step_begin/on_step_end timestamps (one optimi
 `_generate_and_score_completions` (generation + rewards + advantages) and `_generate_single_turn`
 (the `generate` call) are wrapped to split a step into generation, scoring and training.
 
+Memory: the result carries the process's peak RSS (`peak_rss_gib`, getrusage's high-water mark;
+bench/memory.py compares it, and its own sampling of this process, with the pipeline's) and the
+peak when the trainer was built (`rss_gib_after_setup`).
+
 Progress goes to stderr.
 """
 
@@ -35,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import statistics
 import string
 import sys
@@ -169,6 +174,7 @@ def run(spec: dict) -> dict:
     timer = _Timer()
     trainer, tokenizer, step_times, config = _build_trainer(spec, timer)
     setup_seconds = time.perf_counter() - started
+    rss_after_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     prompt_tokens = [len(tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
                                                        return_dict=True)["input_ids"]) for r in spec["prompts"]]
     log(f"TRL {trl.__version__}: {spec['steps']} steps of {spec['prompts_per_step']} prompts x "
@@ -191,6 +197,9 @@ def run(spec: dict) -> dict:
         "median_train_seconds": _median_after_first(training),
         "generated_tokens_per_step": list(_GENERATED_TOKENS),
         "prompt_tokens": prompt_tokens,
+        # the kernel's high-water mark of this process's resident memory (KiB on Linux), exact, not sampled
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "rss_gib_after_setup": rss_after_setup,
         "batch": {"per_device_train_batch_size": config.per_device_train_batch_size,
                   "gradient_accumulation_steps": config.gradient_accumulation_steps,
                   "generation_batch_size": config.generation_batch_size,
