@@ -111,6 +111,9 @@ class VLLMConfig(_Section):
     weight_sync: Literal["reload", "restart"] = Field(
         "reload", description="reload: new weights into the running server (restart on failure); restart: always restart"
     )
+    keep_server: bool = Field(
+        True, description="false: stop the server when its rollout ends, so training gets its memory (~3.7 GiB for "
+        "SmolLM2 on CPU); each rollout then starts a fresh one (~25-45 s)")
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the server's /health")
     max_concurrent_calls: int = Field(8, ge=1, description="generate calls the agent loop keeps in flight")
     extra_args: tuple[str, ...] = Field((), description="more vLLM server flags, verbatim")

@@ -49,3 +49,22 @@ def test_training_with_the_vllm_engine_reloads_weights_in_place_and_stops_the_se
             assert all(math.isfinite(lp) and lp <= 1e-6 for lp in step["response_logprobs"])
             assert step["policy_version"] == k
     assert [s.iteration for s in result.iterations] == list(range(config.iterations))
+
+
+def test_keep_server_false_stops_the_server_after_each_rollout(tmp_path, caplog):
+    """rollout.vllm.keep_server: false gives training the server's memory: every rollout starts a
+    server holding the current checkpoint and stops it when it ends, so none is running in between."""
+    from agent_core.rollout.vllm_engine import server_stats
+
+    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", [
+        f"data_root={tmp_path}", "run_id=vllm-release", "rollout.engine=vllm", "policy.hidden_size=64",
+        "dev_eval.every=0", "rollout.vllm.keep_server=false",
+    ])
+    with caplog.at_level("INFO"):
+        train(config)
+    out = caplog.text
+    assert out.count("ready on port") == config.iterations  # one fresh server per rollout
+    assert out.count("keep_server: false") == config.iterations
+    assert "into the running server" not in out  # nothing was left running to reload into
+    assert server_stats() == []
+

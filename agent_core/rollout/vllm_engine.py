@@ -95,8 +95,11 @@ class VLLMEngine:
         return [_generation(choice, set(stop_ids)) for choice in choices]
 
     def close(self) -> None:
-        """Release this engine; the server stays in the pool for the next rollout."""
+        """Release this engine; the server stays in the pool for the next rollout, unless its options
+        say not to keep it (`keep_server: false`: its memory goes back before training)."""
         self._requests.shutdown(wait=False)
+        if not self.server.options.keep_server:
+            release_server(self.server)
 
 
 def _generation(choice: dict, stop_ids: set[int]) -> Generation:
@@ -159,6 +162,17 @@ def external_engine(url: str, policy_dir: Path, options) -> "VLLMEngine":
             server.reload(Path(policy_dir))
     return VLLMEngine(server, load_tokenizer(Path(policy_dir)), max_batch_size=options.max_batch_size,
                       max_concurrent_calls=options.vllm.max_concurrent_calls)
+
+
+def release_server(server) -> None:
+    """Stop `server` and drop it from the pool, if it is a pooled one (an external server is left alone)."""
+    with _POOL_LOCK:
+        keys = [key for key, pooled in _POOL.items() if pooled is server]
+        for key in keys:
+            del _POOL[key]
+    if keys:
+        server.stop()
+        print(f"vllm: stopped the server on port {server.port} (rollout.vllm.keep_server: false)")
 
 
 def shutdown_servers() -> None:

@@ -53,6 +53,7 @@ class VLLMOptions:
     gpu_memory_utilization: share of GPU memory vLLM may take; ignored on CPU.
     dtype: "auto" keeps the checkpoint's; the CPU backend here is exact in float32.
     weight_sync: "reload" (in place, falls back to a restart) or "restart".
+    keep_server: False stops a pooled server when the engine of its rollout is closed.
     startup_timeout_s: how long to wait for /health before giving up.
     max_concurrent_calls: generate calls the agent loop may have in flight at once.
     extra_args: more server flags, verbatim.
@@ -63,6 +64,7 @@ class VLLMOptions:
     gpu_memory_utilization: float = 0.5
     dtype: str = "float32"
     weight_sync: str = "reload"
+    keep_server: bool = True
     startup_timeout_s: float = 300.0
     max_concurrent_calls: int = 8
     extra_args: tuple[str, ...] = ()
