@@ -2,7 +2,7 @@
 engine): its wall time and peak memory (RSS), and the pipeline's peak memory against TRL's
 GRPOTrainer on the same single-turn work.
 
-Three runs, one after the other, each in a fresh subprocess whose whole process tree is watched:
+Four runs, one after the other, each in a fresh subprocess whose whole process tree is watched:
 
 1. `iteration`: the training flow (flows/train.py) for ONE iteration of the issue's setting: 16
    prompts of the built-in search-QA task x 4 samples, multi-turn with up to 4 steps per episode
@@ -13,8 +13,15 @@ Three runs, one after the other, each in a fresh subprocess whose whole process 
    by micro_batch_logits), max_context_tokens, temperature, and rollout.vllm (kv_cache_gib 1);
    then the checkpoint, optimizer state and MLflow registration. No warm start and no dev eval
    (neither is part of an RL iteration).
+1b. `low_memory`: run 1 with `rollout.vllm.keep_server: false` (the server stops when its rollout
+   ends, so training has its memory, and every rollout starts a fresh one: its start then counts
+   in the iteration's seconds) and `trainer.activation_checkpointing: true`; keys end in
+   `-low-memory`. The memory/time trade-off of the same iteration, side by side.
 2. `ours`: bench/trl_compare.py's single-turn setting for one iteration: 16 x 4 x 64 tokens,
    rollout.max_steps=1, HF engine, one optimizer step (trl_compare.pipeline_config).
+2b. `ours` again with `trainer.activation_checkpointing: true` (key
+   `peak_vs_trl-activation-checkpointing`; TRL keeps its defaults, where gradient_checkpointing is
+   off: TRL has that option too).
 3. `trl`: bench/trl_grpo_worker.py in .venv-trl (`make trl`): TRL's GRPOTrainer for one step of
    the very prompts run 2 picks, HF generate, the same setting as in trl_compare.
 
@@ -59,12 +66,12 @@ Cost (an estimate: only a reduced size was run here): a full run takes roughly 3
 quiet cores and needs `make vllm trl smollm2`. Run 1 is 15-25 min as the pipeline stands (the
 server's ~1 min start; a rollout of ~250 agent steps; training on ~40k episode tokens at the
 ~45 tokens/s the last trl_compare run trained SmolLM2 with); runs 2 and 3 are one single-turn
-SmolLM2 iteration each with HF generate, 5-7 min each. `--only iteration` or `--only trl` runs one
+SmolLM2 iteration each with HF generate, 5-7 min each; run 1b about as long as run 1. `--only iteration` (or low_memory, trl) runs one
 part. --quick: the tiny model, 4 prompts x 2 samples x 2 steps x 16
 tokens (2-3 minutes, most of it the vLLM server's start). A run whose tree passes --max-gib
 (default 16) is killed, to spare the shared machine, and reported at that value.
 
-    .venv/bin/python -m bench.memory [--quick] [--only iteration,trl] [--engine vllm|hf]
+    .venv/bin/python -m bench.memory [--quick] [--only iteration,low_memory,trl] [--engine vllm|hf]
         [--iterations N] [--kv-cache-gib N] [--micro-batch-tokens N]
 """
 
@@ -101,7 +108,7 @@ ITERATION_PEAK_GOAL = Goal("peak RSS of that iteration, GiB: flow process + vLLM
 TRL_PEAK_GOAL = Goal("this pipeline's peak RSS / TRL GRPOTrainer's, same single-turn work (16x4x64, one step)",
                      "<=", 1.0)
 QUICK = dict(model="tiny", prompts=4, group_size=2, max_steps=2, max_new_tokens=16)
-PARTS = ("iteration", "trl")
+PARTS = ("iteration", "low_memory", "trl")
 POLL_S = 0.1
 PSS_EVERY = 10  # samples between PSS readings (smaps_rollup walks the page tables: dearer than statm)
 REPORT = "memory_report.json"
@@ -215,6 +222,9 @@ def iteration_config(spec: dict, data_root: Path):
                "max_new_tokens": spec["max_new_tokens"], "tool_instructions": spec["model"] == "smollm2"}
     rollout["vllm"] = {"kv_cache_gib": spec["kv_cache_gib"]} if spec.get("kv_cache_gib") else {}
     trainer = {"micro_batch_tokens": spec["micro_batch_tokens"]} if spec.get("micro_batch_tokens") else {}
+    if spec.get("low_memory"):  # the server's memory back for training; activations recomputed
+        rollout["vllm"]["keep_server"] = False
+        trainer["activation_checkpointing"] = True
     if spec.get("precision") == "bf16":  # the fast setting: bf16 autocast training, bf16 vLLM weights
         trainer["precision"] = "bf16"
         rollout["vllm"]["dtype"] = "bfloat16"
@@ -231,7 +241,8 @@ def single_turn_setting(spec: dict):
     from bench.trl_compare import Setting
 
     return Setting(prompts=spec["prompts"], group_size=spec["group_size"], max_new_tokens=spec["max_new_tokens"],
-                   iterations=1, micro_batch_tokens=spec.get("micro_batch_tokens"))
+                   iterations=1, micro_batch_tokens=spec.get("micro_batch_tokens"),
+                   activation_checkpointing=spec.get("activation_checkpointing", False))
 
 
 def steps_summary(config, run_dir: Path, k: int) -> dict:
@@ -424,12 +435,12 @@ def _failure(name: str, watched: Watched, max_gib: float) -> str:
     return f"{name}: the run failed (exit {watched.returncode}); its output is in the log above"
 
 
-def measure_iteration(args, model_dir: Path, root: Path) -> list[Measurement]:
-    """Run 1 and its three measurements."""
+def measure_iteration(args, model_dir: Path, root: Path, low_memory: bool = False) -> list[Measurement]:
+    """Run 1 (or 1b, `low_memory`) and its three measurements."""
     from agent_core.config import RolloutConfig
     from agent_core.io.layout import new_run_id
 
-    suffix = "" if args.engine == "vllm" else f"-{args.engine}"  # the issue's row is the vllm one
+    suffix = ("" if args.engine == "vllm" else f"-{args.engine}") + ("-low-memory" if low_memory else "")
     keys = tuple(f"{name}{suffix}" for name in ("iteration_seconds", "iteration_peak_gib", "iteration_flow_peak_gib"))
     goals = ((ITERATION_SECONDS_GOAL, ITERATION_PEAK_GOAL, None) if args.model == "smollm2" else (None,) * 3)
     if args.engine == "vllm":
@@ -443,10 +454,10 @@ def measure_iteration(args, model_dir: Path, root: Path) -> list[Measurement]:
     spec = {"kind": "iteration", "model": args.model, "model_dir": str(model_dir), "engine": args.engine,
             "prompts": args.prompts, "group_size": args.group_size, "max_steps": args.max_steps,
             "max_new_tokens": args.max_new_tokens, "iterations": args.iterations, "kv_cache_gib": args.kv_cache_gib,
-            "micro_batch_tokens": args.micro_batch_tokens, "precision": args.precision, "run_id": new_run_id()}
-    folder = root / "iteration"
+            "micro_batch_tokens": args.micro_batch_tokens, "precision": args.precision, "low_memory": low_memory, "run_id": new_run_id()}
+    folder = root / ("iteration-low-memory" if low_memory else "iteration")
     folder.mkdir()
-    print(f"bench: [iteration] {args.model}, {args.prompts} prompts x {args.group_size} samples x up to "
+    print(f"bench: [iteration{' low-memory' if low_memory else ''}] {args.model}, {args.prompts} prompts x {args.group_size} samples x up to "
           f"{args.max_steps} steps x {args.max_new_tokens} tokens, {args.engine} engine, {args.iterations} "
           f"iteration(s), in a subprocess", flush=True)
     watched = run_watched(_child_command(spec, folder), "flow", args.max_gib, label="iteration")
@@ -469,6 +480,8 @@ def measure_iteration(args, model_dir: Path, root: Path) -> list[Measurement]:
         seconds = statistics.median(it["wall_seconds"] for it in iterations[1:])
         measured = iterations[len(iterations) // 2]  # the split shown: a measured (not the first) iteration
         measured_start = 0.0
+    elif low_memory:  # the server is started by every rollout: part of every iteration
+        seconds, measured, measured_start = first["wall_seconds"], first, 0.0
     else:
         seconds, measured, measured_start = first["wall_seconds"] - server_start, first, server_start
     kv_gib = args.kv_cache_gib or RolloutConfig().vllm.kv_cache_gib
@@ -495,7 +508,8 @@ def measure_iteration(args, model_dir: Path, root: Path) -> list[Measurement]:
                                                                    "vllm_server_start_seconds": measured_start})
     if goals[1] is not None and not goals[1].met(peak["peak_gib"]):
         result[1].why_missed = why_iteration_peak(goals[1].value, peak, kv_gib)
-    print(f"bench: [iteration] {seconds:.1f} s (server start {server_start:.1f} s apart), peak "
+    print(f"bench: [iteration{' low-memory' if low_memory else ''}] {seconds:.1f} s (server start {server_start:.1f} s "
+          f"{'included' if low_memory else 'apart'}), peak "
           f"{peak['peak_gib']:.2f} GiB (flow process {peak['own_process_peak_gib']:.2f}, groups at the peak "
           f"{', '.join(f'{g} {v:.2f}' for g, v in peak['groups_at_peak_gib'].items())})", flush=True)
     return result
@@ -513,57 +527,71 @@ def kv_cache_facts(model_dir: Path, kv_gib: int) -> dict:
 
 
 def measure_vs_trl(args, model_dir: Path, root: Path) -> list[Measurement]:
-    """Runs 2 and 3: the same single-turn work in this pipeline and in TRL; the peak ratio."""
+    """Runs 2 and 3 (and 2b): the same single-turn work in this pipeline and in TRL; the peak ratios."""
     from agent_core.io.layout import new_run_id
     from bench.trl_compare import TRL_PYTHON, pipeline_config, planned_prompts, trl_command, trl_events, trl_spec
 
     goal = TRL_PEAK_GOAL if args.model == "smollm2" else None
+    keys = ("peak_vs_trl", "peak_vs_trl-activation-checkpointing")
     if not TRL_PYTHON.is_file():
-        return [skipped_measurement("peak_vs_trl", goal, f"{TRL_PYTHON.relative_to(REPO)} not found (`make trl`)")]
+        return [skipped_measurement(k, goal, f"{TRL_PYTHON.relative_to(REPO)} not found (`make trl`)") for k in keys]
     spec = {"kind": "single", "model": args.model, "model_dir": str(model_dir), "prompts": args.prompts,
             "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
             "micro_batch_tokens": args.micro_batch_tokens, "run_id": new_run_id()}
     setting = single_turn_setting(spec)
-    folder = root / "single"
-    folder.mkdir()
     # TRL's prompts: the ones the pipeline's prepare_data picks (deterministic in the seed), planned here on a
     # throwaway data root so that neither measured process does this work
     rows = planned_prompts(pipeline_config(model_dir, root / "plan", setting, "hf", iterations=1,
                                            run_id=spec["run_id"]))
-    print(f"bench: [ours] single-turn {args.prompts} x {args.group_size} x {args.max_new_tokens}, hf engine, in a "
-          "subprocess", flush=True)
-    ours_run = run_watched(_child_command(spec, folder), "flow", args.max_gib, label="ours")
+    ours = {False: _run_ours(args, spec, root / "single")}
     trl_dir = root / "trl"
     trl_dir.mkdir()
     command, env = trl_command(trl_spec(model_dir, rows, setting, trl_dir, lockstep=False))
     print(f"bench: [trl] the same work in TRL's GRPOTrainer (one step), {TRL_PYTHON.relative_to(REPO)}", flush=True)
     with open(trl_dir / "stdout.txt", "w") as out:
         trl_run = run_watched(command, "trl", args.max_gib, env=env, cwd=trl_dir, stdout=out, label="trl")
+    ours[True] = _run_ours(args, {**spec, "activation_checkpointing": True}, root / "single-checkpointed")
     events = trl_events((trl_dir / "stdout.txt").read_text().splitlines())
-    failed = [(name, run) for name, run, ok in (("ours", ours_run, (folder / REPORT).is_file()),
-                                                 ("trl", trl_run, "result" in events)) if run.returncode or not ok]
-    if failed:
-        return [skipped_measurement("peak_vs_trl", goal, "; ".join(_failure(n, r, args.max_gib) for n, r in failed))]
-    report = json.loads((folder / REPORT).read_text())
+    if trl_run.returncode or "result" not in events:
+        return [skipped_measurement(k, goal, _failure("trl", trl_run, args.max_gib)) for k in keys]
     trl_result = events["result"]
-    ours = tree_peak(ours_run, report["self_peak_rss_gib"], report["phases"])
     trl = tree_peak(trl_run, trl_result["peak_rss_gib"], None)
     trl["rss_gib_after_setup"] = trl_result.get("rss_gib_after_setup")
+    return [_vs_trl(key, goal, args, ours[checkpointed], trl, trl_result)
+            for key, checkpointed in zip(keys, (False, True))]
+
+
+def _run_ours(args, spec: dict, folder: Path) -> tuple:
+    """Run 2 (2b with activation checkpointing) in a watched subprocess: (watched run, its report or None)."""
+    folder.mkdir()
+    print(f"bench: [ours] single-turn {args.prompts} x {args.group_size} x {args.max_new_tokens}, hf engine"
+          f"{', activation checkpointing' if spec.get('activation_checkpointing') else ''}, in a subprocess", flush=True)
+    run = run_watched(_child_command(spec, folder), "flow", args.max_gib, label="ours")
+    ok = run.returncode == 0 and (folder / REPORT).is_file()
+    return run, json.loads((folder / REPORT).read_text()) if ok else None
+
+
+def _vs_trl(key: str, goal, args, ours_run: tuple, trl: dict, trl_result: dict) -> Measurement:
+    run, report = ours_run
+    if report is None:
+        return skipped_measurement(key, goal, _failure("ours", run, args.max_gib))
+    ours = tree_peak(run, report["self_peak_rss_gib"], report["phases"])
     ratio = ours["peak_gib"] / trl["peak_gib"]
     details = {"model": args.model, "setting": f"{args.prompts} prompts x {args.group_size} samples x "
-               f"{args.max_new_tokens} tokens, single turn, one optimizer step (bench/trl_compare.py's)",
-               "ours": {**ours, "phase_peaks": phase_peaks(ours_run, report["phases"]),
+               f"{args.max_new_tokens} tokens, single turn, one optimizer step (bench/trl_compare.py's)"
+               + ("; ours with trainer.activation_checkpointing (TRL: its defaults)" if "checkpointing" in key else ""),
+               "ours": {**ours, "phase_peaks": phase_peaks(run, report["phases"]),
                         "seconds": report["iterations"][0]["wall_seconds"],
                         "stage_seconds": report["iterations"][0]["stage_seconds"]},
                "trl": {**trl, "step_seconds": trl_result.get("step_seconds")},
                "flow_process_vs_trl_process": ours["own_process_peak_gib"] / trl["own_process_peak_gib"],
                "prompt_tokens_match": report["prompt_tokens"] == trl_result["prompt_tokens"]}
-    measurement = Measurement("peak_vs_trl", ratio, goal, details)
+    measurement = Measurement(key, ratio, goal, details)
     if goal is not None and not goal.met(ratio):
         measurement.why_missed = why_peak_vs_trl(ours, trl)
-    print(f"bench: [peak_vs_trl] ours {ours['peak_gib']:.2f} GiB (flow process {ours['own_process_peak_gib']:.2f}) / "
+    print(f"bench: [{key}] ours {ours['peak_gib']:.2f} GiB (flow process {ours['own_process_peak_gib']:.2f}) / "
           f"TRL {trl['peak_gib']:.2f} GiB = {ratio:.2f}", flush=True)
-    return [measurement]
+    return measurement
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -622,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         measurements = []
         if "iteration" in args.parts:
             measurements += measure_iteration(args, model_dir, root)
+        if "low_memory" in args.parts:
+            measurements += measure_iteration(args, model_dir, root, low_memory=True)
         if "trl" in args.parts:
             measurements += measure_vs_trl(args, model_dir, root)
     finally:

@@ -21,8 +21,8 @@ tokens/s (not seconds) keeps the comparison fair. Raw tokens/s = replayed tokens
 
 ratio = loop tokens/s / raw tokens/s (goal >= 0.90), per engine: a full run measures both, hf and
 vllm, one after the other on the same policy and requests sizes (--engine picks one; --quick: hf
-only). With --repeats N, loop and replay alternate N times and the best tokens/s of each side is
-used. A warm-up rollout (one episode, one step) runs first. Where the goal is missed, why_missed
+only). With --repeats N (default 3), loop and replay alternate N times and each side's median
+round (by tokens/s; the lower middle one for an even N) is used. A warm-up rollout (one episode, one step) runs first. Where the goal is missed, why_missed
 gives the measured parts: the seconds outside generate by kind, and generation inside the loop vs
 the raw engine's time for as many tokens. vLLM needs `make vllm` and an engine registered as
 "vllm"; where either is missing the measurement is recorded as skipped with the reason.
@@ -68,7 +68,7 @@ def arguments(argv: list[str] | None):
     parser.add_argument("--max-steps", type=int, default=4, help="LLM calls per episode at most")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per action at most")
     parser.add_argument("--max-batch-size", type=int, default=64, help="sequences per engine forward pass")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating loop/replay measurements")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating loop/replay measurements (median used)")
     parser.add_argument("--policy", choices=sorted(POLICY_SIZES), default="demo", help="policy size")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task, the weights and the sampling")
     return parse_args(parser, argv, QUICK)
@@ -186,9 +186,13 @@ def measure_engine(name: str, policy_dir: Path, tokenizer, task, args, progress:
     return _measurement(name, rounds)
 
 
+def median_round(rounds: list[dict], key: str) -> dict:
+    """The round with the median `key` (the lower middle one for an even count): a real round, not a mean."""
+    return sorted(rounds, key=lambda r: r[key])[(len(rounds) - 1) // 2]
+
+
 def _measurement(name: str, rounds: list[dict]) -> Measurement:
-    loop = max(rounds, key=lambda r: r["loop_tokens_per_s"])
-    raw = max(rounds, key=lambda r: r["raw_tokens_per_s"])
+    loop, raw = median_round(rounds, "loop_tokens_per_s"), median_round(rounds, "raw_tokens_per_s")
     ratio = loop["loop_tokens_per_s"] / raw["raw_tokens_per_s"]
     outside = loop["loop_seconds"] - loop["loop_generate_seconds"]
     parts = {part: loop[part] for part in PARTS}

@@ -6,7 +6,8 @@ optimizer step per update over all rows (gradient accumulation in micro-batches 
 --micro-batch-tokens padded tokens, the trainer's default), on the demo's tiny policy.
 
 Two ratios, each from arms timed in alternation within this run (update 1 of every arm, then
-update 2 of every arm, ...), so a slowdown of the machine hits all arms alike:
+update 2 of every arm, ...), so a slowdown of the machine hits all arms alike; each arm's time is
+its median update (--updates, default 3):
 
 - ``trainer`` = trainer tokens/s / raw loop tokens/s (goal >= 0.9). Trainer: `train_iteration`
   (agent_core/training/trainer.py) on the packed rows, as `tasks/train.py` calls it (one epoch,
@@ -24,8 +25,8 @@ Each arm gets one untimed warm-up update first (allocator, kernels, AdamW state)
 
 The trainer runs the LM head only at the loss-mask positions (agent_core/training/scoring.py), the
 raw loop at every position, as a plain PyTorch loop would: on a large vocabulary (SmolLM2's 49k,
-`--model-dir`, measured after the tiny policy's arms with --model-episodes episodes and one timed
-update; both arms then use the trainer's micro-batches, capped by tokens x vocabulary) this is
+`--model-dir`, measured after the tiny policy's arms with --model-episodes episodes and
+--model-updates timed updates; both arms then use the trainer's micro-batches, capped by tokens x vocabulary) this is
 where the trainer gains most. After the timed updates one more trainer
 update and one raw update run under torch.profiler; the ops where the trainer spends more self
 CPU time than the raw loop are in the details (`profile`), and a missed goal names them.
@@ -36,6 +37,7 @@ CPU time than the raw loop are in the details (`profile`), and a missed goal nam
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -78,13 +80,14 @@ def arguments(argv: list[str] | None):
     parser.add_argument("--prompt-len", type=int, default=224, help="tokens of the opening prompt (max; min is half)")
     parser.add_argument("--response-len", type=int, default=48, help="tokens per action (max; min is half)")
     parser.add_argument("--obs-len", type=int, default=88, help="tokens per observation (max; min is half)")
-    parser.add_argument("--updates", type=int, default=2, help="timed optimizer steps per arm")
+    parser.add_argument("--updates", type=int, default=3, help="timed optimizer steps per arm (the median is used)")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="padded tokens per micro-batch")
     parser.add_argument("--policy", choices=sorted(POLICY_SIZES), default="demo", help="policy size")
     parser.add_argument("--model-dir", default=None,
                         help="also measure trainer vs raw loop on this checkpoint (e.g. SmolLM2's, `make smollm2`; "
                         "key trainer-<first word of the dir name>), after the --policy arms")
-    parser.add_argument("--model-episodes", type=int, default=8, help="--model-dir: episodes per update (one update)")
+    parser.add_argument("--model-episodes", type=int, default=8, help="--model-dir: episodes per update")
+    parser.add_argument("--model-updates", type=int, default=3, help="--model-dir: timed updates per arm")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled update of each arm")
     parser.add_argument("--seed", type=int, default=0, help="seed of the episodes and the initial weights")
     return parse_args(parser, argv, QUICK)
@@ -138,12 +141,13 @@ class Arm:
         return self.seconds[-1]
 
     def summary(self) -> dict:
-        total = sum(self.seconds)
+        """`seconds` is the median update's (of alternated repeats), as every ratio here uses."""
+        median = statistics.median(self.seconds)
         return {"rows": len(self.rows), "tokens_per_update": self.tokens,
                 "padded_tokens_per_update": self.padded_tokens, "micro_batches": len(self.batches),
-                "seconds": round(total, 3),
+                "seconds": round(median, 3),
                 "seconds_per_update": [round(s, 3) for s in self.seconds],
-                "tokens_per_s": round(self.tokens * len(self.seconds) / total, 1) if total > 0 else math.nan}
+                "tokens_per_s": round(self.tokens / median, 1) if median > 0 else math.nan}
 
 
 def run_arms(arms: list[Arm], updates: int, progress: Progress) -> None:
@@ -181,8 +185,8 @@ def measurements(trainer: Arm, raw: Arm, steps: Arm, key: str = "trainer",
     if not TRAINER_GOAL.met(ratio):
         where = ("; under torch.profiler the trainer's extra self CPU seconds per op were "
                  + ", ".join(f"{op} {sec:+.2f}s" for op, sec in profile["extra_seconds_by_op"].items())) if profile else ""
-        out[0].why_missed = (f"train_iteration took {t['seconds']:.2f}s vs {r['seconds']:.2f}s for the raw loop on the "
-                             f"same micro-batches{where}.")
+        out[0].why_missed = (f"a median train_iteration update took {t['seconds']:.2f}s vs {r['seconds']:.2f}s for the "
+                             f"raw loop on the same micro-batches{where}.")
     packing = s["seconds"] / t["seconds"]
     out.append(Measurement("packed_vs_step", packing, PACKING_GOAL, {
         "packed": t, "step_rows": s, "token_ratio": round(s["tokens_per_update"] / t["tokens_per_update"], 3)}))
@@ -237,13 +241,13 @@ def main(argv: list[str] | None = None) -> int:
 
         model, tokenizer = load_policy(Path(args.model_dir))
         name = Path(args.model_dir).name
-        model_sizes = replace(sizes, episodes=args.model_episodes, updates=1, policy=name,
+        model_sizes = replace(sizes, episodes=args.model_episodes, updates=args.model_updates, policy=name,
                               micro_batch_tokens=vocab_capped_tokens(args.micro_batch_tokens, model_vocab_size(model)))
         found += measure(model, tokenizer, model_sizes, args, progress, f"trainer-{name.split('-')[0]}", step_rows=False)
     write_result(NAME, TITLE, found, seconds=progress.elapsed, config=asdict(sizes), results_dir=args.results_dir,
                  argv=argv, notes=(
-                     f"torch threads: {torch.get_num_threads()}. Ratios from {sizes.updates} alternating timed "
-                     "updates per arm after one warm-up update (--model-dir: one)."))
+                     f"torch threads: {torch.get_num_threads()}. Ratios from the median of {sizes.updates} alternating "
+                     "timed updates per arm after one warm-up update (--model-dir: of --model-updates)."))
     return 0
 
 

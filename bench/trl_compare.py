@@ -43,11 +43,17 @@ dominate, as the split shows. CPU seconds per iteration (all threads; the pipeli
 Prefect and vLLM server processes, not the TRL worker) are in the details too: less sensitive to
 other work on the machine than wall time.
 
-Cost of a full run (2 quiet cores, SmolLM2; the last full hf run: TRL 410 s per step, pipeline
-335 s per iteration): one iteration of both sides takes about 12 minutes with the hf engine and
-about 11 with vllm (whose first also starts the server, ~1 min), so the default 3 iterations x both
-engines take about 70-75 minutes, the tiny model 2-3 more; --iterations N (at least 2) scales it
-linearly, --engine hf or vllm about halves it, --model smollm2 leaves the tiny model out.
+Precision (--precision, default all: fp32 then bf16): fp32 on both sides is the identical-work
+row; bf16 (keys ending in -bf16) is our `trainer.precision: bf16` (bfloat16 autocast; with the
+vllm engine also `rollout.vllm.dtype: bfloat16`, the hf engine generates in fp32) against TRL with
+the Trainer's bf16 mixed precision (`bf16=True`, accelerate's autocast around the model's forward,
+generation included), both on the CPU.
+
+Cost of a full run (2 quiet cores, SmolLM2, measured 2026-11-25: TRL ~70-80 s per step, the
+pipeline ~55 s per iteration with vllm fp32): one iteration of both sides takes 2-3 minutes per
+engine and precision (vllm's first also starts the server, ~25 s), so --model smollm2 with the
+default 3 iterations x 2 engines x 2 precisions takes about 30 minutes, the tiny model a few more;
+--iterations N (at least 2) scales it linearly, --engine or --precision halves it.
 
 Threads: OMP_WAIT_POLICY=PASSIVE is set for both sides unless already set: with torch's default
 (spinning) OpenMP threads, a 2-core machine shared with other work ran HF generate 5-15x slower
@@ -55,7 +61,7 @@ Threads: OMP_WAIT_POLICY=PASSIVE is set for both sides unless already set: with 
 Timings on a shared machine are noisy all the same.
 
     .venv/bin/python -m bench.trl_compare [--model smollm2|tiny|both] [--engine hf|vllm|all]
-        [--iterations N] [--quick]
+        [--precision fp32|bf16|all] [--iterations N] [--quick]
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.common import (
@@ -85,7 +91,7 @@ GOAL = Goal("TRL seconds per iteration / this pipeline's seconds per iteration (
 # flows.train's stage tasks (module attributes the flow body calls) -> name in the time split
 STAGES = {"prepare_data": "prepare", "rollout": "rollout", "label_rewards": "rewards",
           "compute_advantages": "advantages", "train_policy": "train", "log_iteration": "tracking"}
-QUICK = dict(model="tiny", iterations=2, prompts=4, max_new_tokens=16)
+QUICK = dict(model="tiny", iterations=2, prompts=4, max_new_tokens=16, precision="fp32")
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,8 @@ class Setting:
     lr: float = 1e-6  # small, so the policy (and its completion lengths) barely move between iterations
     trl_grad_accum: int = 4  # TRL micro-batches per optimizer step (ours: trainer.micro_batch_tokens)
     micro_batch_tokens: int | None = None  # trainer.micro_batch_tokens (None: the pipeline's default)
+    activation_checkpointing: bool = False  # ours only (bench/memory.py's variant)
+    precision: str = "fp32"  # bf16: our trainer.precision and vLLM dtype; TRL's bf16 (autocast) mixed precision
     seed: int = 0
     threads: int | None = None  # torch intra-op threads on both sides (None: torch's default)
 
@@ -153,13 +161,19 @@ def pipeline_config(model_dir: Path, data_root: Path, setting: Setting, engine: 
                "clip_high": 0.2, "max_grad_norm": 1.0, "loss_agg_mode": "token-mean"}
     if setting.micro_batch_tokens is not None:
         trainer["micro_batch_tokens"] = setting.micro_batch_tokens
+    if setting.activation_checkpointing:
+        trainer["activation_checkpointing"] = True
+    vllm = {}
+    if setting.precision == "bf16":
+        trainer["precision"] = "bf16"
+        vllm = {"dtype": "bfloat16"} if engine == "vllm" else {}
     return build_config({
         "run_id": run_id, "data_root": str(data_root), "iterations": iterations or setting.iterations,
         "seed": setting.seed, "data": {"prompts_per_iteration": setting.prompts},
         "policy": {"source": "path", "path": str(model_dir)},
         "rollout": {"engine": engine, "group_size": setting.group_size, "max_steps": 1,
                     "max_new_tokens": setting.max_new_tokens, "temperature": 1.0, "top_p": 1.0,
-                    "max_batch_size": setting.prompts * setting.group_size},
+                    "max_batch_size": setting.prompts * setting.group_size, "vllm": vllm},
         "algorithm": {"estimator": "grpo", "kl_coef": 0.0},
         "trainer": trainer,
         "warm_start": {"enabled": False},
@@ -361,7 +375,7 @@ def trl_spec(model_dir: Path, rows: list[dict], setting: Setting, workdir: Path,
             "num_generations": setting.group_size, "max_completion_length": setting.max_new_tokens,
             "steps": setting.iterations, "learning_rate": setting.lr, "grad_accum": setting.trl_grad_accum,
             "seed": setting.seed, "output_dir": str(workdir / "trl_output"), "threads": setting.threads,
-            "lockstep": lockstep}
+            "lockstep": lockstep, "bf16": setting.precision == "bf16"}
     path = workdir / "trl_spec.json"
     path.write_text(json.dumps(spec))
     return path
@@ -489,7 +503,8 @@ def compare(model: str, setting: Setting, engine: str, root: Path) -> Measuremen
     """Run both sides on `model` (smollm2 or tiny) under `root`, alternating; the ratio and its details."""
     from agent_core.io.layout import new_run_id
 
-    workdir = root / _key(model, engine)
+    key = _key(model, engine, setting.precision)
+    workdir = root / key
     workdir.mkdir(parents=True)
     model_dir = smollm2_dir() if model == "smollm2" else build_tiny_model(workdir / "tiny_model")
     config = pipeline_config(model_dir, root / "data", setting, engine, run_id=new_run_id())
@@ -516,32 +531,40 @@ def compare(model: str, setting: Setting, engine: str, root: Path) -> Measuremen
     if not details["prompt_tokens_match"]:
         print(f"bench: WARNING prompt token counts differ: pipeline {sum(prompt_tokens)}, TRL {sum(trl['prompt_tokens'])}")
     goal = _goal(model)
-    measurement = Measurement(key=_key(model, engine), ratio=ratio, goal=goal, details=details)
+    measurement = Measurement(key=key, ratio=ratio, goal=goal, details=details)
     if goal is not None and not goal.met(ratio):
         measurement.why_missed = why_missed_speed(goal.value, ours, trl)
-    print(f"bench: [{_key(model, engine)}] TRL {trl['median_step_seconds']:.2f} s/step, pipeline "
+    print(f"bench: [{key}] TRL {trl['median_step_seconds']:.2f} s/step, pipeline "
           f"{ours['median_iteration_seconds']:.2f} s/iteration -> ratio {ratio:.2f}", flush=True)
     return measurement
 
 
-def _key(model: str, engine: str) -> str:
-    return model if engine == "hf" else f"{model}-{engine}"
+def _key(model: str, engine: str, precision: str = "fp32") -> str:
+    return (model if engine == "hf" else f"{model}-{engine}") + ("" if precision == "fp32" else f"-{precision}")
 
 
 def _goal(model: str) -> Goal | None:
     return GOAL if model == "smollm2" else None
 
 
-def measure_all(models: list[str], setting: Setting, engines: list[str], root: Path) -> list[Measurement]:
-    """compare() each model with each engine (hf first); a missing or failing vLLM engine is recorded
-    as skipped (hf must work)."""
+def measure_all(models: list[str], setting: Setting, engines: list[str], root: Path,
+                precisions: tuple[str, ...] = ("fp32",)) -> list[Measurement]:
+    """compare() each model with each engine (hf first) and precision; a missing or failing vLLM engine is
+    recorded as skipped (hf must work)."""
+    found = []
+    for precision in precisions:
+        found += _measure_engines(models, replace(setting, precision=precision), engines, root)
+    return found
+
+
+def _measure_engines(models: list[str], setting: Setting, engines: list[str], root: Path) -> list[Measurement]:
     from agent_core.rollout.engines import ENGINES
 
     measurements = []
     for engine in engines:
         if engine != "hf" and engine not in ENGINES.names():
             reason = f"no engine registered as {engine!r} (valid: {', '.join(ENGINES.names())})"
-            measurements += [skipped_measurement(_key(m, engine), _goal(m), reason) for m in models]
+            measurements += [skipped_measurement(_key(m, engine, setting.precision), _goal(m), reason) for m in models]
             continue
         if engine == "vllm":
             from agent_core.rollout.vllm_server import VLLMNotInstalledError, VLLMOptions, vllm_python
@@ -549,7 +572,7 @@ def measure_all(models: list[str], setting: Setting, engines: list[str], root: P
             try:
                 vllm_python(VLLMOptions())
             except VLLMNotInstalledError as error:
-                measurements += [skipped_measurement(_key(m, engine), _goal(m), str(error).split(". ")[0] +
+                measurements += [skipped_measurement(_key(m, engine, setting.precision), _goal(m), str(error).split(". ")[0] +
                                                      " (`make vllm`)") for m in models]
                 continue
         for model in models:
@@ -558,7 +581,8 @@ def measure_all(models: list[str], setting: Setting, engines: list[str], root: P
             except Exception as error:  # noqa: BLE001 - only the optional engine may fail without failing the run
                 if engine == "hf":
                     raise
-                measurements.append(skipped_measurement(_key(model, engine), _goal(model), f"{engine} failed: {error}"))
+                measurements.append(skipped_measurement(_key(model, engine, setting.precision), _goal(model),
+                                                        f"{engine} failed: {error}"))
     return measurements
 
 
@@ -573,6 +597,9 @@ def arguments(argv: list[str] | None):
     parser.add_argument("--iterations", type=int, default=3,
                         help="iterations (= TRL steps) per side and engine; the first is warm-up, the rest give the "
                              "median (SmolLM2: about 12 minutes per iteration with hf, both sides together)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "all"), default="all",
+                        help="fp32 on both sides; bf16: our trainer.precision bf16 (and vLLM bfloat16 weights) vs TRL "
+                             "with bf16 mixed precision, keys ending in -bf16; all (default): fp32, then bf16")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
     parser.add_argument("--group-size", type=int, default=4, help="samples per prompt (GRPO group)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per sample at most")
@@ -598,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_environment(root / "data")  # Prefect reads its settings when first imported (tasks import it)
     try:
-        measurements = measure_all(models, setting, engines, root)
+        precisions = ("fp32", "bf16") if args.precision == "all" else (args.precision,)
+        measurements = measure_all(models, setting, engines, root, precisions)
     finally:
         if args.keep:
             print(f"bench: kept {root}")

@@ -21,7 +21,8 @@ What one step is: TRL generates num_generations completions for each of the step
 scores them with the reward below, computes group-normalized advantages, and runs grad_accum
 forward/backward micro-batches followed by ONE optimizer step (num_iterations=1, so the sampling
 log-probs are not recomputed; beta=0, so no reference model). Sampling: temperature 1, top_p 1,
-top_k off. Precision fp32 (bf16/fp16 off), no gradient checkpointing, no logging, no saving.
+top_k off. Precision fp32 (fp16 off; bf16 autocast, the Trainer's mixed precision, when the spec's
+"bf16" is true), no gradient checkpointing, no logging, no saving.
 
 Timing: a TrainerCallback takes on_step_begin/on_step_end timestamps (one optimizer step each);
 `_generate_and_score_completions` (generation + rewards + advantages) and `_generate_single_turn`
@@ -148,7 +149,7 @@ def _build_trainer(spec: dict, timer: _Timer):
         temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
         learning_rate=spec["learning_rate"], lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         max_steps=spec["steps"], shuffle_dataset=False, seed=spec["seed"],
-        bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
+        bf16=bool(spec.get("bf16")), fp16=False, use_cpu=True, gradient_checkpointing=False,
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
         log_completions=False, dataloader_num_workers=0,
     )
