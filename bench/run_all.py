@@ -8,14 +8,16 @@ before it runs, so a failed script shows as missing rather than with stale numbe
 
 Full run: results in bench/results/, page docs/benchmarks.md. Every script runs at its own full
 size (its defaults), plus FULL_RUN_ARGS: the rollout benchmark measures both engines
-(`--engine all`); training adds SmolLM2 (`--model-dir`); trl_compare measures both engines by default (SmolLM2 and the tiny model, 3
-iterations each); memory runs the issue's SmolLM2 iteration with the vLLM engine and the
-single-turn peak against TRL. It needs `make vllm trl smollm2 ray` (`make bench` builds them)
-and takes about 2-2.5 hours on 2 cores: trl_compare ~70-75 min, memory ~30-45 min, overhead ~10, rollout
-~10, training ~8, scale_out ~3, scaling ~2. A measurement whose engine or virtualenv is missing is
-recorded as skipped, not failed. `--args "NAME=ARGS"` (repeatable) appends arguments to one
-script's command, e.g. `--args "trl_compare=--iterations 2"` (about 25 minutes less) or
-`--args "memory=--only iteration"`; from make: `make bench BENCH_ARGS='--args "trl_compare=--iterations 2"'`.
+(`--engine all`); training adds SmolLM2 (`--model-dir`); trl_compare measures both engines and
+both precisions by default (SmolLM2 and the tiny model, 3 iterations each); memory runs the
+issue's SmolLM2 iteration with the vLLM engine (default and low-memory settings) and the
+single-turn peak against TRL. It needs `make vllm trl smollm2 ray` (`make bench` builds them) and
+takes about 70 minutes on 2 quiet cores (measured 2026-11-25 script by script): trl_compare ~30
+min, memory ~14, overhead ~10, rollout ~5, training ~4, scale_out ~3, scaling ~1. A measurement
+whose engine or virtualenv is missing is recorded as skipped, not failed. `--args "NAME=ARGS"`
+(repeatable) appends arguments to one script's command, e.g. `--args "trl_compare=--iterations
+2"` (about 10 minutes less) or `--args "memory=--only iteration"`; from make: `make bench
+BENCH_ARGS='--args "trl_compare=--iterations 2"'`.
 
 --quick (`make bench BENCH_ARGS=--quick`): tiny sizes, results and page in a temporary folder
 (printed), so a smoke run never overwrites the measured page; 5-8 minutes on 2 cores, and
