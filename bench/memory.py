@@ -62,17 +62,15 @@ from rollout.vllm.kv_cache_gib (default 1; --kv-cache-gib here). That field is a
 details give the KV bytes per token and the tokens 1 GiB holds, next to the contexts the rollout
 needed.
 
-Cost (an estimate: only a reduced size was run here): a full run takes roughly 30-45 minutes on 2
-quiet cores and needs `make vllm trl smollm2`. Run 1 is 15-25 min as the pipeline stands (the
-server's ~1 min start; a rollout of ~250 agent steps; training on ~40k episode tokens at the
-~45 tokens/s the last trl_compare run trained SmolLM2 with); runs 2 and 3 are one single-turn
-SmolLM2 iteration each with HF generate, 5-7 min each; run 1b about as long as run 1. `--only iteration` (or low_memory, trl) runs one
-part. --quick: the tiny model, 4 prompts x 2 samples x 2 steps x 16
+Cost (measured 2026-11-25 on 2 quiet cores): a full run took 13.6 minutes and needs `make vllm
+trl smollm2`: run 1 and run 1b about 5 minutes each (a rollout of ~256 agent steps, training on
+~29k episode tokens, setup), runs 2, 2b and 3 about 1 minute each. `--only iteration` (or
+low_memory, trl) runs one part. --quick: the tiny model, 4 prompts x 2 samples x 2 steps x 16
 tokens (2-3 minutes, most of it the vLLM server's start). A run whose tree passes --max-gib
 (default 16) is killed, to spare the shared machine, and reported at that value.
 
     .venv/bin/python -m bench.memory [--quick] [--only iteration,low_memory,trl] [--engine vllm|hf]
-        [--iterations N] [--kv-cache-gib N] [--micro-batch-tokens N]
+        [--iterations N] [--kv-cache-gib N] [--micro-batch-tokens N] [--precision bf16|fp32]
 """
 
 from __future__ import annotations
