@@ -55,14 +55,23 @@ def split_lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mod
     return backbone, head
 
 
-def _shifted_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    temperature: float) -> torch.Tensor:
+def _checked_temperature(temperature: float) -> float:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    scores = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-    if scores.dtype != torch.float32:
-        scores = scores.float()
+    return temperature
+
+
+def _scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits as float32 and divided by the temperature (no copy where neither is needed)."""
+    scores = logits if logits.dtype == torch.float32 else logits.float()
     return scores / temperature if temperature != 1.0 else scores
+
+
+def _shifted_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    _checked_temperature(temperature)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    return _scores(logits, temperature)
 
 
 def _with_first_position(per_token: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -109,15 +118,10 @@ def _selected_logprobs(backbone: torch.nn.Module, head: torch.nn.Module, input_i
                        attention_mask: torch.Tensor, positions: torch.Tensor, temperature: float,
                        entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logprobs` with the LM head run only on the hidden states that predict `positions`."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _checked_temperature(temperature)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     targets = (positions[:, 1:] > 0) & (attention_mask[:, 1:] > 0)  # token t is predicted by hidden state t - 1
-    scores = head(hidden[:, :-1][targets])  # [N, V], N = selected tokens
-    if scores.dtype != torch.float32:
-        scores = scores.float()
-    if temperature != 1.0:
-        scores = scores / temperature
+    scores = _scores(head(hidden[:, :-1][targets]), temperature)  # [N, V], N = selected tokens
     picked = scores.gather(-1, input_ids[:, 1:][targets].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
     if entropy_grad:
         entropy = entropy_from_logits(scores)

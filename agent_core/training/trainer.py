@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import astuple, dataclass, replace
 from typing import Sequence
 
@@ -52,6 +51,7 @@ from agent_core.failpoints import failpoint
 from agent_core.progress import report
 from agent_core.training.batches import PaddedBatch, TrainSequence
 from agent_core.training.data_parallel import DataParallel
+from agent_core.training.precision import activation_checkpointing, autocast
 from agent_core.training.prepared import Prepared, prepare_update
 from agent_core.training.settings import PPOSettings
 from agent_core.training.safety import (
@@ -247,36 +247,6 @@ def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad
     finally:
         module.train(was_training)
     return grad_norm, skip_reason
-
-
-PRECISIONS = ("fp32", "bf16")
-
-
-def autocast(device: torch.device, precision: str):
-    """The forward pass's autocast: bfloat16 matmuls for "bf16" (parameters, gradients and the
-    optimizer stay fp32; scoring upcasts logits to fp32 before the log-softmax), none for "fp32"."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
-@contextmanager
-def activation_checkpointing(model: torch.nn.Module, enabled: bool):
-    """Within the block, `model` (a transformers model) recomputes each layer's activations in the
-    backward pass instead of keeping them: peak memory of a micro-batch falls from all layers'
-    activations to about one layer's, for one more forward pass of compute. Off: nothing changes."""
-    if not enabled:
-        yield
-        return
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"trainer.activation_checkpointing: {type(model).__name__} does not support it")
-    already = model.is_activation_checkpointing
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    try:
-        yield
-    finally:
-        if not already:
-            model.activation_checkpointing_disable()
 
 
 def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_optimizer, pad_id,
