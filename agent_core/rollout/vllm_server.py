@@ -49,7 +49,7 @@ class VLLMOptions:
     """How the vLLM server is run (RolloutConfig.vllm holds the same fields).
 
     python: the vLLM virtualenv's interpreter; None = $AGENTR1_VLLM_PYTHON or .venv-vllm/bin/python.
-    kv_cache_gib: KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); ignored on GPU.
+    kv_cache_gib: KV cache size on CPU in GiB (--kv-cache-memory-bytes, so fractions work); ignored on GPU.
     gpu_memory_utilization: share of GPU memory vLLM may take; ignored on CPU.
     dtype: "auto" keeps the checkpoint's; the CPU backend here is exact in float32.
     weight_sync: "reload" (in place, falls back to a restart) or "restart".
@@ -60,7 +60,7 @@ class VLLMOptions:
     """
 
     python: str | None = None
-    kv_cache_gib: int = 1
+    kv_cache_gib: float = 1.0
     gpu_memory_utilization: float = 0.5
     dtype: str = "float32"
     weight_sync: str = "reload"
@@ -103,6 +103,7 @@ class VLLMServer:
     restarts: int = 0
     _output: deque = field(default_factory=lambda: deque(maxlen=200))
     _first_errors: list = field(default_factory=list)  # the first error lines: a crash's cause, before its echoes
+    _drainer: threading.Thread | None = None  # reads the server's output into _output
 
     @property
     def base_url(self) -> str:
@@ -111,6 +112,23 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         python = vllm_python(self.options)
         self.port = free_port()
+        on_cpu = _on_cpu()
+        if on_cpu:
+            check_cpu_head_size(self.model_dir)
+        command = self.command(python, on_cpu)
+        started = time.perf_counter()
+        # setsid: one process group, so stop() reaches the engine processes the API server spawns
+        self.process = subprocess.Popen(command, env=self._environment(), stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True, text=True)
+        self._drainer = threading.Thread(target=self._drain, name="vllm-output", daemon=True)
+        self._drainer.start()
+        self._wait_healthy()
+        self.loaded_dir = Path(self.model_dir)
+        print(f"vllm: server for {self.model_dir.name} ready on port {self.port} in {time.perf_counter() - started:.0f} s")
+        return self
+
+    def command(self, python: Path, on_cpu: bool) -> list[str]:
+        """The server's command line (its environment: `_environment`)."""
         command = [
             str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port),
@@ -118,34 +136,27 @@ class VLLMServer:
             "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION_CLASS,
             "--disable-uvicorn-access-log", "--disable-log-stats", "--seed", "0",
         ]
-        if _on_cpu():
-            check_cpu_head_size(self.model_dir)
+        if on_cpu:
             command.append("--enforce-eager")  # no graph capture on the CPU backend
             # A chunked prefill samples and discards a token, then rewinds a seeded request's RNG,
             # which CPU generators cannot do ("CPU Generator does not use offset" kills the engine)
             command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 8192))]
+            command += ["--kv-cache-memory-bytes", str(kv_cache_bytes(self.options.kv_cache_gib))]
         else:
             command += ["--gpu-memory-utilization", str(self.options.gpu_memory_utilization)]
-        command += list(self.options.extra_args)
-        started = time.perf_counter()
-        # setsid: one process group, so stop() reaches the engine processes the API server spawns
-        self.process = subprocess.Popen(command, env=self._environment(), stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, start_new_session=True, text=True)
-        threading.Thread(target=self._drain, name="vllm-output", daemon=True).start()
-        self._wait_healthy()
-        self.loaded_dir = Path(self.model_dir)
-        print(f"vllm: server for {self.model_dir.name} ready on port {self.port} in {time.perf_counter() - started:.0f} s")
-        return self
+        return command + list(self.options.extra_args)
 
     def _environment(self) -> dict:
         env = dict(os.environ)
         env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(self.options.kv_cache_gib), VLLM_SERVER_DEV_MODE="1",
+            VLLM_SERVER_DEV_MODE="1",
             VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"), VLLM_NO_USAGE_STATS="1",
             HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
             PYTHONPATH=os.pathsep.join(filter(None, [str(EXTENSION_DIR), env.get("PYTHONPATH")])),
         )
         env.pop("VIRTUAL_ENV", None)  # ours; the server runs in its own
+        # vLLM's CPU platform would apply this (whole GiB only) over --kv-cache-memory-bytes
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         return env
 
     def _drain(self) -> None:
@@ -161,13 +172,23 @@ class VLLMServer:
         head = ["[first error lines]", *errors, "[last lines]"] if errors else []
         return "\n".join(head + list(self._output)[-lines:])
 
+    def _start_hint(self) -> str:
+        """What our settings had to do with a failed start, where vLLM's own words point elsewhere."""
+        output = "\n".join([*self._first_errors, *self._output])
+        if "memory for the cache blocks" in output or "KV cache is needed" in output:
+            return (f": its KV cache, rollout.vllm.kv_cache_gib = {self.options.kv_cache_gib:g} GiB on CPU, is too "
+                    f"small for one sequence of max_model_len {self.max_model_len} tokens; raise it")
+        return ""
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if self._drainer is not None:
+                    self._drainer.join(timeout=5)  # the last lines, where the cause is
                 raise VLLMServerError(
                     f"the vLLM server exited with code {self.process.returncode} while starting "
-                    f"(model {self.model_dir}). Its last output:\n{self.output_tail()}"
+                    f"(model {self.model_dir}){self._start_hint()}. Its last output:\n{self.output_tail()}"
                 )
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
@@ -228,6 +249,11 @@ class VLLMServer:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def kv_cache_bytes(gib: float) -> int:
+    """rollout.vllm.kv_cache_gib as the server's --kv-cache-memory-bytes (whole bytes)."""
+    return int(gib * 2**30)
 
 
 def _on_cpu() -> bool:

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from agent_core.training.trainer import make_optimizer
+
 
 @dataclass(frozen=True)
 class PretrainResult:
@@ -59,7 +61,7 @@ def induction_pretrain(model: torch.nn.Module, token_ids: Sequence[int], separat
     generator = torch.Generator().manual_seed(seed)
     pool = torch.tensor(list(token_ids), dtype=torch.long)
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    optimizer = make_optimizer(model, lr=lr)
     tail = max(1, steps // 10)
     losses: list[float] = []
     accuracies: list[float] = []

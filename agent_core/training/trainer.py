@@ -63,11 +63,17 @@ from agent_core.training.scoring import model_vocab_size, score_logprobs, sequen
 def make_optimizer(
     model: torch.nn.Module, *, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)
 ) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters (one group: weight decay applies to all)."""
+    """AdamW over the model's trainable parameters (one group: weight decay applies to all).
+
+    The fused implementation: one kernel per parameter instead of the default foreach ops, which on
+    SmolLM2-135M take 0.5-0.8 s per step on 2 CPU cores against 0.09 s, and allocate a temporary the
+    size of the parameters (+0.5 GiB at the step) where fused allocates nothing (docs/benchmarks.md).
+    The update is the same AdamW; the state_dict has the same keys, so states saved by either load.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters (requires_grad is False everywhere)")
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=True)
 
 
 @dataclass(frozen=True)
