@@ -227,6 +227,9 @@ class TrainerConfig(_Section):
         True, description="keep the trained policy, critic and optimizers in memory for the next iteration instead of "
         "reloading the checkpoint just written (still written every iteration; one process only, not "
         "data-parallel workers; same parameters either way)")
+    background_save: bool = Field(
+        True, description="write the optimizer state and the train stage's manifest on a background thread while the "
+        "next rollout runs (the checkpoint is written before the stage returns; one process only)")
 
 
 class ClusterConfig(_Section):

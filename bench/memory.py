@@ -15,8 +15,9 @@ Four runs, one after the other, each in a fresh subprocess whose whole process t
    (neither is part of an RL iteration).
 1b. `low_memory`: run 1 with `rollout.vllm.keep_server: false` (the server stops when its rollout
    ends, so training has its memory, and every rollout starts a fresh one: its start then counts
-   in the iteration's seconds) and `trainer.activation_checkpointing: true`; keys end in
-   `-low-memory`. The memory/time trade-off of the same iteration, side by side.
+   in the iteration's seconds), `rollout.vllm.kv_cache_gib: 0.25` (--kv-cache-gib overrides it)
+   and `trainer.activation_checkpointing: true`; keys end in `-low-memory`. The memory/time
+   trade-off of the same iteration, side by side.
 2. `ours`: bench/trl_compare.py's single-turn setting for one iteration: 16 x 4 x 64 tokens,
    rollout.max_steps=1, HF engine, one optimizer step (trl_compare.pipeline_config).
 2b. `ours` again with `trainer.activation_checkpointing: true` (key
@@ -55,12 +56,10 @@ peak. Pages shared between processes (the vLLM server's two processes map the sa
 count once per process in RSS; the summed PSS (shared pages divided among their processes),
 sampled every second, is reported next to it (`tree_pss_peak_gib`).
 
-The vLLM CPU server's KV cache: VLLM_CPU_KVCACHE_SPACE, set by agent_core/rollout/vllm_server.py
-from rollout.vllm.kv_cache_gib (default 1; --kv-cache-gib here). That field is an integer >= 1
-(agent_core/config.py), and vLLM's CPU platform applies the variable over --kv-cache-memory-bytes
-(vllm/platforms/cpu.py), so less than 1 GiB cannot be configured without a pipeline change; the
-details give the KV bytes per token and the tokens 1 GiB holds, next to the contexts the rollout
-needed.
+The vLLM CPU server's KV cache: --kv-cache-memory-bytes, set by agent_core/rollout/vllm_server.py
+from rollout.vllm.kv_cache_gib (default 1, fractions allowed; --kv-cache-gib here, run 1: the
+pipeline's default, run 1b: 0.25). The details give the KV bytes per token (in the server's dtype)
+and the tokens the cache holds, next to the contexts the rollout needed.
 
 Cost (measured 2026-11-25 on 2 quiet cores): a full run took 13.6 minutes and needs `make vllm
 trl smollm2`: run 1 and run 1b about 5 minutes each (a rollout of ~256 agent steps, training on
@@ -99,6 +98,7 @@ TRL_PEAK_GOAL = Goal("this pipeline's peak RSS / TRL GRPOTrainer's, same single-
                      "<=", 1.0)
 QUICK = dict(model="tiny", prompts=4, group_size=2, max_steps=2, max_new_tokens=16)
 PARTS = ("iteration", "low_memory", "trl")
+LOW_MEMORY_KV_CACHE_GIB = 0.25  # run 1b's KV cache: ~11k tokens of SmolLM2 in bfloat16, 0.74 GiB less than 1
 REPORT = "memory_report.json"
 
 
@@ -113,8 +113,9 @@ def iteration_config(spec: dict, data_root: Path):
                "max_new_tokens": spec["max_new_tokens"], "tool_instructions": spec["model"] == "smollm2"}
     rollout["vllm"] = {"kv_cache_gib": spec["kv_cache_gib"]} if spec.get("kv_cache_gib") else {}
     trainer = {"micro_batch_tokens": spec["micro_batch_tokens"]} if spec.get("micro_batch_tokens") else {}
-    if spec.get("low_memory"):  # the server's memory back for training; activations recomputed
+    if spec.get("low_memory"):  # the server's memory back for training; a smaller KV cache; activations recomputed
         rollout["vllm"]["keep_server"] = False
+        rollout["vllm"].setdefault("kv_cache_gib", LOW_MEMORY_KV_CACHE_GIB)
         trainer["activation_checkpointing"] = True
     if spec.get("precision") == "bf16":  # the fast setting: bf16 autocast training, bf16 vLLM weights
         trainer["precision"] = "bf16"
@@ -257,13 +258,13 @@ def why_iteration_slow(goal_s: float, it: dict) -> str:
     return " ".join(text)
 
 
-def why_iteration_peak(goal_gib: float, peak: dict, kv_cache_gib: int) -> str:
+def why_iteration_peak(goal_gib: float, peak: dict, kv_cache_gib: float) -> str:
     """Why the iteration's tree passed `goal_gib`: who held what at the peak (measured)."""
     groups = peak["groups_at_peak_gib"]
     vllm = groups.get("vllm", 0.0)
     text = [f"The process tree peaked at {peak['peak_gib']:.2f} GiB during {peak['phase_at_peak']}: flow process "
             f"{groups.get('flow', 0.0):.2f} GiB, vLLM server processes {vllm:.2f} GiB (KV cache set to "
-            f"{kv_cache_gib} GiB of it), Prefect's server {groups.get('prefect', 0.0):.2f} GiB, other "
+            f"{kv_cache_gib:g} GiB of it), Prefect's server {groups.get('prefect', 0.0):.2f} GiB, other "
             f"{groups.get('other', 0.0):.2f} GiB."]
     text.append(f"Summed PSS (shared pages once) peaked at {peak['tree_pss_peak_gib']:.2f} GiB.")
     text.append(f"The flow process alone peaked at {peak['own_process_peak_gib']:.2f} GiB (exact) during "
@@ -344,8 +345,8 @@ def measure_iteration(args, model_dir: Path, root: Path, low_memory: bool = Fals
         seconds, measured, measured_start = first["wall_seconds"], first, 0.0
     else:
         seconds, measured, measured_start = first["wall_seconds"] - server_start, first, server_start
-    kv_gib = args.kv_cache_gib or RolloutConfig().vllm.kv_cache_gib
-    kv = kv_cache_facts(model_dir, kv_gib)
+    kv_gib = args.kv_cache_gib or (LOW_MEMORY_KV_CACHE_GIB if low_memory else RolloutConfig().vllm.kv_cache_gib)
+    kv = kv_cache_facts(model_dir, kv_gib, 2 if args.precision == "bf16" else 4)
     common = {"model": args.model, "engine": args.engine, "prompts": args.prompts, "group_size": args.group_size,
               "max_steps": args.max_steps, "max_new_tokens": args.max_new_tokens, "iterations": args.iterations}
     timing = {**common, "seconds": seconds, "vllm_server_start_seconds": server_start,
@@ -375,15 +376,14 @@ def measure_iteration(args, model_dir: Path, root: Path, low_memory: bool = Fals
     return result
 
 
-def kv_cache_facts(model_dir: Path, kv_gib: int) -> dict:
-    """The KV cache's size and what it holds for this model (fp32, as the server runs it)."""
+def kv_cache_facts(model_dir: Path, kv_gib: float, dtype_bytes: int) -> dict:
+    """The KV cache's size and what it holds for this model (in the server's dtype: 2 bytes for bf16)."""
     config = json.loads((model_dir / "config.json").read_text())
     heads = config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_token = 2 * config["num_hidden_layers"] * heads * head_dim * 4
-    return {"kv_cache_gib": kv_gib, "set_by": "rollout.vllm.kv_cache_gib -> VLLM_CPU_KVCACHE_SPACE",
-            "smaller_than_1_gib_configurable": False, "bytes_per_token": per_token,
-            "tokens_it_holds": kv_gib * GIB // per_token}
+    per_token = 2 * config["num_hidden_layers"] * heads * head_dim * dtype_bytes
+    return {"kv_cache_gib": kv_gib, "set_by": "rollout.vllm.kv_cache_gib -> --kv-cache-memory-bytes",
+            "bytes_per_token": per_token, "tokens_it_holds": int(kv_gib * GIB) // per_token}
 
 
 def measure_vs_trl(args, model_dir: Path, root: Path) -> list[Measurement]:
@@ -472,8 +472,9 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per step at most (all runs)")
     parser.add_argument("--iterations", type=int, default=1,
                         help="run 1: iterations; above 1 the median of iterations 1..N-1 is measured")
-    parser.add_argument("--kv-cache-gib", type=int, default=None,
-                        help="run 1: rollout.vllm.kv_cache_gib (default: the pipeline's, 1; integers >= 1 only)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="runs 1 and 1b: rollout.vllm.kv_cache_gib (default: the pipeline's, 1, for run 1; "
+                             f"{LOW_MEMORY_KV_CACHE_GIB} for run 1b)")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="override trainer.micro_batch_tokens in all runs (default: the pipeline's default for "
                              "run 1, trl_compare's for run 2; trainer.micro_batch_logits still caps it)")

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from agent_core.config import PipelineConfig
+from agent_core.io import background
 from agent_core.io.config_files import save_config
 from agent_core.io.layout import RunLayout
 from agent_core.io.locks import run_lock, sweep_temporaries
@@ -18,22 +19,31 @@ from tasks._common import stage_logger, stage_task
 @contextmanager
 def writing_run(run: RunLayout) -> Iterator[RunLayout]:
     """Hold the run's lock while the block writes into it (a second writer fails at once, naming the
-    first one's pid), after removing what a killed earlier writer left half-written."""
+    first one's pid), after removing what a killed earlier writer left half-written, and until the
+    block's background writes (trainer.background_save) are done too."""
     with run_lock(run.lock_path, run.run_id):
         removed = sweep_temporaries(run.run_dir)
         if removed:
             stage_logger("resume").info("run %s: removed %d unfinished temporaries of an interrupted writer: %s",
                                         run.run_id, len(removed), ", ".join(str(p) for p in removed[:5]))
-        yield run
+        try:
+            yield run
+        except BaseException:
+            background.wait_quietly()
+            raise
+        background.wait()
 
 
 @contextmanager
 def recording_end(run: RunLayout) -> Iterator[None]:
     """Record how the block ended in the run's status: finished, or failed with its error (`agentr1
-    runs` shows it); a process killed inside the block records nothing, which reads as killed."""
+    runs` shows it); a process killed inside the block records nothing, which reads as killed. Writes
+    still running on the background thread (trainer.background_save) belong to the run: they finish first."""
     try:
         yield
+        background.wait()
     except Exception as error:
+        background.wait_quietly()  # what was submitted is complete work; the block's error is the one to raise
         first_line = (str(error).splitlines() or [""])[0]
         record_run_end(run, "failed", f"{type(error).__name__}: {first_line}")
         raise

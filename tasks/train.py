@@ -26,6 +26,12 @@ settings; it is committed after every output is in place, so a crash anywhere in
 Memory: with `trainer.keep_policy_in_memory` (default) the policy, critic and optimizers this stage
 saved stay in memory, and the next iteration's training in this process uses them instead of
 reading the files back (agent_core/training/resident.py); the files are written either way.
+
+Background save: with `trainer.background_save` (default) and training in this process, the stage
+returns once the checkpoint, critic and train_metrics are written; the optimizer states and then
+the manifest are written on the writer thread (agent_core/io/background.py) while the next
+rollout runs. The next train stage waits for them before it reads its inputs, and the flow before
+it records the run's end; a crash before the manifest leaves the stage to be redone, as always.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import time
 
 from agent_core.algos.estimator_core import estimator_uses_critic
 from agent_core.config import AlgorithmConfig, ClusterConfig, TrainerConfig
+from agent_core.io import background
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, table_exists, write_table
@@ -83,7 +90,7 @@ def _train_inputs(run: RunLayout, iteration: int, steps_uri: str, advantages_uri
 
 
 def _job(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, policy_dir: str, cfg: TrainerConfig,
-         algorithm: AlgorithmConfig, temperature: float, total_steps: int) -> TrainJob:
+         algorithm: AlgorithmConfig, temperature: float, total_steps: int, in_process: bool) -> TrainJob:
     critic = {}
     if estimator_uses_critic(algorithm.estimator):
         critic = dict(critic_in=str(run.critic_dir_before(iteration)),
@@ -100,18 +107,24 @@ def _job(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, po
                                   lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                                   total_steps=cfg.total_steps or total_steps),
         layout=cfg.layout, max_consecutive_nonfinite=cfg.max_consecutive_nonfinite,
-        carried_nonfinite=_nonfinite_streak_before(run, iteration), keep_in_memory=cfg.keep_policy_in_memory, **critic)
+        carried_nonfinite=_nonfinite_streak_before(run, iteration), keep_in_memory=cfg.keep_policy_in_memory,
+        background_save=cfg.background_save and in_process, **critic)
 
 
 def _result_settings(cfg: TrainerConfig) -> dict:
     """The trainer settings the manifest compares: all but those that cannot change the outputs (the
-    cache; recomputed activations give the same step up to float rounding), so turning them on or
-    off reruns nothing (and runs recorded before they existed still resume)."""
-    return cfg.model_dump(mode="json", exclude={"keep_policy_in_memory", "activation_checkpointing"})
+    cache; when the optimizer state is written; recomputed activations give the same step up to float
+    rounding), so turning them on or off reruns nothing (and runs recorded before they existed still resume)."""
+    return cfg.model_dump(mode="json", exclude={"keep_policy_in_memory", "activation_checkpointing", "background_save"})
+
+
+def _in_process(cluster: ClusterConfig | None) -> bool:
+    """Whether training runs in this process (else on data-parallel Ray workers)."""
+    return not on_cluster(cluster) or cluster.trainer_workers == 1 and cluster.worker_gpus == 0
 
 
 def _run_job(job: TrainJob, cluster: ClusterConfig | None):
-    if not on_cluster(cluster) or cluster.trainer_workers == 1 and cluster.worker_gpus == 0:
+    if _in_process(cluster):
         return run_training(job)
     from agent_core.cluster.session import train_on_cluster
     from agent_core.cluster.trainers import TrainerSpec
@@ -131,6 +144,7 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
     cluster: where training runs (not a setting the manifest compares: the parameters are the same).
     """
     log = stage_logger("train")
+    background.wait()  # the previous iteration's optimizer state and manifest: inputs and resume state of this one
     uses_critic = estimator_uses_critic(algorithm.estimator)
     record = StageRecord(run.manifest_path("train", iteration), "train", inputs=_train_inputs(
         run, iteration, steps_uri, advantages_uri, policy_dir, uses_critic), params={
@@ -139,7 +153,8 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
     if (done := completed_outputs(record, resume, f"iteration {iteration} training")) is not None:
         return done["checkpoint"]
     lag = check_staleness(steps_uri, iteration, cfg.max_staleness)
-    job = _job(run, iteration, steps_uri, advantages_uri, policy_dir, cfg, algorithm, temperature, total_steps)
+    job = _job(run, iteration, steps_uri, advantages_uri, policy_dir, cfg, algorithm, temperature, total_steps,
+               in_process=_in_process(cluster))
     started_at = time.time()
     with stage_progress("train", f"train iteration {iteration}", "micro-batches"):
         results, rows_trained = _run_job(job, cluster)
@@ -152,7 +167,10 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
                "train_metrics": write_table("train_metrics", rows, run.table_uri(iteration, "train_metrics"))}
     if uses_critic:
         outputs.update(critic=run.critic_dir(iteration), critic_optimizer=run.critic_optimizer_state_path(iteration))
-    record.commit(outputs)
+    if job.background_save:  # after the optimizer states, which run_training queued
+        background.submit(f"iteration {iteration}: train manifest", lambda: record.commit(outputs))
+    else:
+        record.commit(outputs)
     for i, r in enumerate(results):
         if r.skipped:
             log.warning("iteration %d, update %d skipped: %s", iteration, i, r.skip_reason)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from agent_core.config import AlgorithmConfig, TrainerConfig
+from agent_core.io import background
 from agent_core.io.checkpoints import load_policy, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.tables import read_table, table_exists, write_table
@@ -190,8 +191,11 @@ def _run_with_tables(tmp_path: Path, iteration: int = 0) -> RunLayout:
 
 def _train(run: RunLayout, policy: Path, iteration: int = 0, **trainer) -> str:
     cfg = TrainerConfig(**{"micro_batch_tokens": 64, "mini_batches": 1, **trainer})  # counts below assume 1 by default
-    return train_policy.fn(run, iteration, run.table_uri(iteration, "steps"), run.table_uri(iteration, "advantages"),
-                           str(policy), cfg, AlgorithmConfig(estimator="grpo"), 1.0)
+    checkpoint = train_policy.fn(run, iteration, run.table_uri(iteration, "steps"),
+                                 run.table_uri(iteration, "advantages"), str(policy), cfg,
+                                 AlgorithmConfig(estimator="grpo"), 1.0)
+    background.wait()  # the optimizer state (trainer.background_save), which the checks below read
+    return checkpoint
 
 
 def _nothing_written(run: RunLayout, iteration: int) -> bool:

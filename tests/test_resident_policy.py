@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import agent_core.training.iteration as iteration
 from agent_core.config import AlgorithmConfig, TrainerConfig
+from agent_core.io import background
 from agent_core.io.checkpoints import load_policy, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.tables import write_table
@@ -68,11 +69,15 @@ def _tables(run: RunLayout, k: int, estimator: str) -> None:
          "obs_values": None, "estimator": estimator} for s in steps], run.table_uri(k, "advantages"))
 
 
-def _train(run: RunLayout, k: int, policy: Path, estimator: str, keep: bool, **trainer) -> str:
+def _train(run: RunLayout, k: int, policy: Path, estimator: str, keep: bool, settle: bool = True, **trainer) -> str:
+    """The train stage of iteration k; with `settle`, also its background writes (trainer.background_save)."""
     cfg = TrainerConfig(**{"micro_batch_tokens": 64, "mini_batches": 2, "epochs": 1, "lr": 1e-2,
                            "keep_policy_in_memory": keep, **trainer})
-    return train_policy.fn(run, k, run.table_uri(k, "steps"), run.table_uri(k, "advantages"), str(policy), cfg,
-                           AlgorithmConfig(estimator=estimator), 1.0)
+    checkpoint = train_policy.fn(run, k, run.table_uri(k, "steps"), run.table_uri(k, "advantages"), str(policy), cfg,
+                                 AlgorithmConfig(estimator=estimator), 1.0)
+    if settle:
+        background.wait()
+    return checkpoint
 
 
 def _two_iterations(root: Path, policy: Path, estimator: str, keep: bool) -> RunLayout:

@@ -9,6 +9,11 @@ writes the checkpoint, optimizer state and critic, atomically, as a single proce
 In one process with `keep_in_memory` (trainer.keep_policy_in_memory), what an iteration saved stays
 in memory (`resident.py`) and the next iteration, whose inputs are those files, uses it instead of
 loading them again; the files are still written every iteration and give the same parameters.
+
+In one process with `background_save` (trainer.background_save), the checkpoint and critic are
+written before `run_training` returns (the next rollout and advantages read them), and the
+optimizer states on the writer thread (agent_core/io/background.py), which the next
+`run_training` waits for before it reads anything.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent_core.episodes import episodes_from_rows
+from agent_core.io import background
 from agent_core.io.checkpoints import load_policy, save_critic, save_policy
 from agent_core.io.optimizer_state import load_optimizer_state, save_optimizer_state
 from agent_core.io.tables import join_steps
@@ -68,6 +74,7 @@ class TrainJob:
     critic_out: str | None = None
     critic_optimizer_out: str | None = None
     keep_in_memory: bool = False  # keep what is saved for the next job that reads it (resident.py); one process only
+    background_save: bool = False  # optimizer states on the writer thread (io/background.py); one process only
 
 
 def job_sequences(job: TrainJob):
@@ -112,26 +119,39 @@ def _critic(job: TrainJob, keep: bool):
     return critic, optimizer
 
 
-def _save(job: TrainJob, policy: tuple, critic: tuple | None, modes: list[dict], keep: bool) -> None:
+def _save(job: TrainJob, policy: tuple, critic: tuple | None, modes: list[dict], keep: bool, later: bool) -> None:
     """Write the checkpoint, optimizer state and critic; with `keep`, hold them for the next job too,
-    in the train/eval modes they were loaded in (`modes`: the policy's, then the critic's)."""
+    in the train/eval modes they were loaded in (`modes`: the policy's, then the critic's). With
+    `later`, the optimizer states (and the holding, which stamps their files) go to the writer thread."""
     model, tokenizer, optimizer = policy
     save_policy(model, tokenizer, Path(job.checkpoint_dir))
-    save_optimizer_state(optimizer, Path(job.optimizer_out))
     if critic is not None:
         save_critic(critic[0], Path(job.critic_out))
-        save_optimizer_state(critic[1], Path(job.critic_optimizer_out))
     if keep:
         resident.restore_modes(model, modes[0])
-        resident.keep(resident.POLICY, (job.checkpoint_dir, job.optimizer_out), _policy_settings(job), policy)
         if critic is not None:
             resident.restore_modes(critic[0], modes[1])
-            resident.keep(resident.CRITIC, (job.critic_out, job.critic_optimizer_out), _critic_settings(job), critic)
+
+    def optimizer_states() -> None:
+        save_optimizer_state(optimizer, Path(job.optimizer_out))
+        if critic is not None:
+            save_optimizer_state(critic[1], Path(job.critic_optimizer_out))
+        if keep:
+            resident.keep(resident.POLICY, (job.checkpoint_dir, job.optimizer_out), _policy_settings(job), policy)
+            if critic is not None:
+                resident.keep(resident.CRITIC, (job.critic_out, job.critic_optimizer_out), _critic_settings(job),
+                              critic)
+
+    if later:
+        background.submit(f"iteration {job.iteration}: optimizer state", optimizer_states)
+    else:
+        optimizer_states()
 
 
 def run_training(job: TrainJob, dp: DataParallel | None = None) -> tuple[list[UpdateResult], int]:
     """Train one iteration; (one result per optimizer step, the rows trained). Rank 0 (or the only
     process) writes the outputs; a non-finite run raises before anything is written."""
+    background.wait()  # the previous iteration's optimizer state, if it is still being written
     sequences = job_sequences(job)
     keep = job.keep_in_memory and dp is None
     if not keep:
@@ -157,5 +177,6 @@ def run_training(job: TrainJob, dp: DataParallel | None = None) -> tuple[list[Up
     if critic is not None:
         check_savable(critic.named_parameters(), iteration=job.iteration, what="critic")
     if dp is None or dp.rank == 0:
-        _save(job, (model, tokenizer, optimizer), None if critic is None else (critic, critic_optimizer), modes, keep)
+        _save(job, (model, tokenizer, optimizer), None if critic is None else (critic, critic_optimizer), modes, keep,
+              later=job.background_save and dp is None)
     return results, len(sequences)

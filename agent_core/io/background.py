@@ -1,0 +1,97 @@
+"""Writes that finish on a background thread while the pipeline goes on (trainer.background_save).
+
+After an iteration's training the next rollout needs the new checkpoint (its engine loads it), but
+nothing before the next training reads the optimizer state, and the train stage's manifest only
+tells a resumed run that the stage is complete. Writing those is moved off the critical path: for
+SmolLM2-135M, AdamW's state is 1 GiB (~2.8 s to write on 2 cores) and the manifest hashes it and
+the checkpoint (~1 s). `submit` queues such jobs on one writer thread and returns at once.
+
+Why this is safe:
+- **Order.** One thread runs the jobs in the order submitted, and a job runs only if every job
+  before it succeeded: a stage whose optimizer state failed to write is never committed.
+- **Readers wait.** `wait()` returns when the queue is empty and raises the first failure. The
+  next training calls it before it fingerprints or loads the optimizer state (its inputs), and a
+  flow calls it before it records its end; nothing else reads what these jobs write.
+- **Nothing is copied.** A job writes objects as they are; the only code that changes them (the
+  next training step) waits first, so the write sees exactly the state the iteration ended with.
+- **Crashes.** The manifest is still written last: a process killed before a job finished leaves
+  the stage uncommitted and a resume redoes it, as after a kill inside a synchronous write. The
+  writer thread is not a daemon, so an interpreter that exits normally finishes the queue first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
+_pending: list[tuple[str, Future]] = []
+_failures: list[tuple[str, BaseException]] = []  # jobs that raised, until `wait` reports them
+
+
+class BackgroundWriteError(RuntimeError):
+    """A background write failed; the message names the job, the cause is chained."""
+
+
+class _EarlierFailure(RuntimeError):
+    """Raised in place of a job that was not run because a job before it had failed."""
+
+
+def submit(label: str, job: Callable[[], object]) -> None:
+    """Run `job` on the writer thread after every job submitted before it, unless one of them failed.
+    `label` names it in errors and in `pending()` (e.g. "iteration 3: optimizer state")."""
+    def run() -> None:
+        with _lock:
+            earlier = bool(_failures)
+        if earlier:
+            raise _EarlierFailure(f"{label}: not run, a background write before it failed")
+        try:
+            job()
+        except BaseException as error:
+            with _lock:
+                _failures.append((label, error))
+            raise
+
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentr1-writer")
+        _pending.append((label, _executor.submit(run)))
+
+
+def wait() -> None:
+    """Block until every submitted job has finished; raise BackgroundWriteError for the first that
+    failed (those after it were not run). The failure is reported once: the queue is clean after."""
+    while True:
+        with _lock:
+            if not _pending:
+                break
+            label, future = _pending.pop(0)
+        try:
+            future.result()
+        except BaseException:  # recorded in _failures (or an _EarlierFailure); reported below
+            pass
+    with _lock:
+        failures, _failures[:] = list(_failures), []
+    if failures:
+        label, error = failures[0]
+        raise BackgroundWriteError(f"background write failed: {label}: {type(error).__name__}: {error}") from error
+
+
+def wait_quietly() -> None:
+    """`wait`, logging a failure instead of raising it: for paths that are already handling an error."""
+    try:
+        wait()
+    except BackgroundWriteError as error:
+        log.error("%s", error)
+
+
+def pending() -> list[str]:
+    """Labels of the jobs not finished yet (for logs and tests)."""
+    with _lock:
+        return [label for label, future in _pending if not future.done()]
