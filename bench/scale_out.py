@@ -319,7 +319,7 @@ def training_job(data_root: Path, out: Path, args):
     run = DataRoot(data_root).run(RUN_ID)
     trainer = TrainerConfig(mini_batches=1, lr=3e-4, loss_agg_mode="token-mean", epochs=args.train_epochs)
     job = task_job(run, 0, run.table_uri(0, "steps"), run.table_uri(0, "advantages"), str(run.initial_policy_dir),
-                   trainer, AlgorithmConfig(), 1.0, 1)
+                   trainer, AlgorithmConfig(), 1.0, 1, background_save=False)
     table = pq.read_table(job.advantages_uri)
     generator = torch.Generator().manual_seed(0)
     values = [torch.randn(len(a), generator=generator).tolist() for a in table.column("advantages").to_pylist()]

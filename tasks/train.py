@@ -90,7 +90,9 @@ def _train_inputs(run: RunLayout, iteration: int, steps_uri: str, advantages_uri
 
 
 def _job(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, policy_dir: str, cfg: TrainerConfig,
-         algorithm: AlgorithmConfig, temperature: float, total_steps: int, in_process: bool) -> TrainJob:
+         algorithm: AlgorithmConfig, temperature: float, total_steps: int, background_save: bool) -> TrainJob:
+    """Iteration k's TrainJob. background_save: the optimizer state on the writer thread (the caller
+    decides: trainer.background_save, and only where training runs in this process)."""
     critic = {}
     if estimator_uses_critic(algorithm.estimator):
         critic = dict(critic_in=str(run.critic_dir_before(iteration)),
@@ -108,7 +110,7 @@ def _job(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, po
                                   total_steps=cfg.total_steps or total_steps),
         layout=cfg.layout, max_consecutive_nonfinite=cfg.max_consecutive_nonfinite,
         carried_nonfinite=_nonfinite_streak_before(run, iteration), keep_in_memory=cfg.keep_policy_in_memory,
-        background_save=cfg.background_save and in_process, **critic)
+        background_save=background_save, **critic)
 
 
 def _result_settings(cfg: TrainerConfig) -> dict:
@@ -154,7 +156,7 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
         return done["checkpoint"]
     lag = check_staleness(steps_uri, iteration, cfg.max_staleness)
     job = _job(run, iteration, steps_uri, advantages_uri, policy_dir, cfg, algorithm, temperature, total_steps,
-               in_process=_in_process(cluster))
+               background_save=cfg.background_save and _in_process(cluster))
     started_at = time.time()
     with stage_progress("train", f"train iteration {iteration}", "micro-batches"):
         results, rows_trained = _run_job(job, cluster)

@@ -368,6 +368,19 @@ def test_a_serial_engine_with_fast_tools_gets_every_ready_episode_in_one_call(ta
     assert info[(prompt_ids[0], 1)]["queue_seconds"] > info[(prompt_ids[3], 1)]["queue_seconds"]
 
 
+@pytest.mark.parametrize("slots", [1, 3])
+def test_a_one_call_engine_generates_on_the_calling_thread_and_a_concurrent_one_on_pool_threads(task, slots):
+    """A second thread would give an in-process torch engine its own OpenMP team (module docstring)."""
+    threads: set[str] = set()
+    engine = TimedEngine(task[1], slots=slots, on_call=lambda number: threads.add(threading.current_thread().name))
+    _run_tools(task, engine, lambda pid, step: time.sleep(0.01), prompts=3, max_steps=2)
+    assert len(engine.calls) >= 2
+    if slots == 1:
+        assert threads == {threading.current_thread().name}
+    else:
+        assert threads and all(name.startswith("agentr1-generate") for name in threads)
+
+
 @pytest.mark.parametrize("seed", [None, 11])
 def test_each_call_samples_with_its_own_seed(task, seed):
     engine = TimedEngine(task[1], slots=1)

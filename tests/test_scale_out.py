@@ -158,7 +158,7 @@ def _job(run, iteration: int, out: Path, agg_mode: str) -> TrainJob:
     policy = run.initial_policy_dir if iteration == 0 else run.checkpoint_dir(iteration - 1)
     trainer = TrainerConfig(mini_batches=1, lr=3e-4, loss_agg_mode=agg_mode, max_staleness=1)
     job = task_job(run, iteration, run.table_uri(iteration, "steps"), run.table_uri(iteration, "advantages"),
-                   str(policy), trainer, AlgorithmConfig(), 1.0, 1)
+                   str(policy), trainer, AlgorithmConfig(), 1.0, 1, background_save=False)
     return dataclasses.replace(job, checkpoint_dir=str(out / "checkpoint"), optimizer_out=str(out / "optimizer.pt"))
 
 

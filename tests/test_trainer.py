@@ -341,3 +341,25 @@ def test_micro_batches_are_capped_by_the_size_of_their_logits():
     assert vocab_capped_tokens(8192, 10**9) == 64  # never below one reasonable row
     assert vocab_capped_tokens(4096, 1000, max_logit_elements=1_000_000) == 1000
     assert vocab_capped_tokens(24, 10**9) == 24  # the cap never raises a smaller budget
+
+
+def test_the_fused_optimizer_takes_the_steps_of_a_plain_adamw_and_loads_its_state():
+    """make_optimizer's fused AdamW (one kernel per parameter) against torch's plain for-loop AdamW
+    over three updates with weight decay: the same parameters up to float rounding, and a state saved
+    by either loads into the other (old runs' optimizer.pt files resume)."""
+    fused, plain = tiny_llama(3), tiny_llama(3)
+    fused_opt = make_optimizer(fused, lr=1e-2, weight_decay=0.1)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    assert fused_opt.defaults["fused"] and not plain_opt.defaults["foreach"]
+    for seed in (4, 5, 6):
+        for model, optimizer in ((fused, fused_opt), (plain, plain_opt)):
+            ppo_update(model, optimizer, random_steps(seed), replace(UPDATE, max_grad_norm=1.0), pad_id=PAD)
+    moved = parameters(tiny_llama(3))
+    for name, p in fused.named_parameters():
+        expected = dict(plain.named_parameters())[name].detach()
+        assert torch.allclose(p.detach(), expected, atol=1e-6, rtol=1e-5), name
+        assert not torch.equal(p.detach(), moved[name])  # the steps did move it
+    reloaded = make_optimizer(tiny_llama(3), lr=1e-2, weight_decay=0.1)
+    reloaded.load_state_dict(plain_opt.state_dict())
+    state = reloaded.state_dict()["state"]
+    assert set(state) == set(plain_opt.state_dict()["state"]) and all(float(s["step"]) == 3 for s in state.values())

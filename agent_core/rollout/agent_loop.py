@@ -1,10 +1,14 @@
 """The multi-step agent loop: many episodes against one engine, one step = one LLM call + env answer.
 
 Scheduling is event-driven, so every unfinished episode's next request is in flight and one slow
-tool or long episode does not stall the others (docs/architecture.md §6). Two pools run the work: `generate`
-calls run in a pool of `concurrent_calls(engine)` threads (1 for an in-process engine, N for a
-server engine that batches continuously across calls) and env steps (tool calls) in a pool of
-`env_workers` threads, so tools run while the engine generates. The calling thread waits for
+tool or long episode does not stall the others (docs/architecture.md §6). `generate` calls of an
+engine that takes N > 1 at once (a server that batches continuously across calls) run in a pool of
+N threads; an engine that takes one call at a time (`concurrent_calls`, e.g. the in-process hf
+engine) is called on the calling thread, where waiting for it costs nothing more. That is not only
+simpler: torch gives every thread that runs parallel ops its own OpenMP team, and with two teams on
+as many cores as one team has threads OpenMP throttles their spinning, which made hf generate 35%
+slower on a second thread (bench/rollout.py, 2 cores). Env steps (tool calls) run in a pool of
+`env_workers` threads either way, so tools run while the engine generates. The calling thread waits for
 whichever call or env step finishes first, applies it to its episode, and dispatches: when an
 engine slot is free, all ready episodes go out as one `generate` call if
   (a) no env step is pending (nothing else could join the call), or
@@ -148,7 +152,8 @@ class _Scheduler:
     """The event loop of one rollout (module docstring).
 
     Episode state, contexts and the tokenizer are touched only on the calling thread; worker
-    threads run nothing but `engine.generate` and `env.step`, so no episode needs a lock.
+    threads run nothing but `engine.generate` (a concurrent engine's) and `env.step`, so no episode
+    needs a lock.
     """
 
     def __init__(self, engine: Engine, tokenizer, sampling: SamplingParams, settings: LoopSettings,
@@ -169,7 +174,8 @@ class _Scheduler:
         self.end_of_turn_ids = frozenset(eos_token_ids(tokenizer))
 
     def run(self) -> None:
-        engine_pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="agentr1-generate")
+        engine_pool = (ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="agentr1-generate")
+                       if self.slots > 1 else None)  # a one-call engine runs on this thread (module docstring)
         env_pool = ThreadPoolExecutor(max_workers=self.settings.env_workers, thread_name_prefix="agentr1-env")
         try:
             while self.ready or self.generating or self.stepping:
@@ -186,12 +192,13 @@ class _Scheduler:
         finally:
             # normally both pools are idle here; after an error (a dead engine server) queued work is
             # dropped and running work is not waited for, so the error reaches the caller at once
-            engine_pool.shutdown(wait=False, cancel_futures=True)
+            if engine_pool is not None:
+                engine_pool.shutdown(wait=False, cancel_futures=True)
             env_pool.shutdown(wait=False, cancel_futures=True)
         log.info("rollout done: %d episodes, %d steps, %d generate calls in %.1fs", len(self.episodes),
                  self.steps, self.calls, time.perf_counter() - self.started)
 
-    def _dispatch(self, engine_pool: ThreadPoolExecutor) -> float | None:
+    def _dispatch(self, engine_pool: ThreadPoolExecutor | None) -> float | None:
         """Send the ready episodes as one call if a slot is free and the rules allow (module docstring).
 
         Returns how long to wait for a finished call or env step before deciding again (None: until one
@@ -208,8 +215,9 @@ class _Scheduler:
         batch = sorted(self.ready, key=lambda ep: ep.index)  # episode order: a lock-step run repeats exactly
         self.ready = []
         seed = None if self.sampling.seed is None else self.sampling.seed + self.calls
-        future = engine_pool.submit(_timed_generate, self.engine, [ep.current_ids for ep in batch],
-                                    replace(self.sampling, seed=seed), [ep.episode_id for ep in batch])
+        call = (_timed_generate, self.engine, [ep.current_ids for ep in batch], replace(self.sampling, seed=seed),
+                [ep.episode_id for ep in batch])
+        future = _run_here(*call) if engine_pool is None else engine_pool.submit(*call)
         self.generating[future] = (batch, [now - ep.ready_since for ep in batch])
         self.calls += 1
         return None
@@ -253,9 +261,20 @@ class _Scheduler:
 
 
 
+def _run_here(fn, *args) -> Future:
+    """`fn(*args)` run now on this thread, as a finished Future holding its result or its exception
+    (so the loop treats it like a call that ran on the engine pool)."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as error:
+        future.set_exception(error)
+    return future
+
+
 def _timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams,
                     episode_ids: list[str]) -> tuple[list[Generation], float]:
-    """(generations, wall seconds of the call); runs on an engine thread. An engine that routes by
+    """(generations, wall seconds of the call); runs on an engine thread (or the loop's own, `_run_here`). An engine that routes by
     session (`routes_sessions`, agent_core/cluster) is told each prompt's episode."""
     failpoint("engine:generate")  # a crash mid-rollout, whichever engine
     started = time.perf_counter()
