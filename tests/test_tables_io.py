@@ -1,4 +1,5 @@
-"""Table files: validated on write and on read, written atomically, clear errors for bad files."""
+"""Table files: validated on write and on read (not again a file this process validated and wrote, while
+unchanged), written atomically, clear errors for bad files."""
 
 from __future__ import annotations
 
@@ -80,6 +81,54 @@ def test_read_validates_a_file_written_by_other_code(tmp_path):
     with pytest.raises(schemas.TableValidationError) as caught:
         tables.read_table("rewards", path)
     assert str(path) in str(caught.value) and "ep-0/2" in str(caught.value)
+
+
+@pytest.fixture()
+def validations(monkeypatch) -> list[str]:
+    """The tables schemas.validate checked, in order."""
+    seen: list[str] = []
+    real = schemas.validate
+
+    def counted(name, data):
+        seen.append(name)
+        return real(name, data)
+
+    monkeypatch.setattr(schemas, "validate", counted)
+    return seen
+
+
+def test_a_table_this_process_wrote_is_not_checked_again_on_read_unless_the_file_changed(tmp_path, validations):
+    path = tmp_path / "rewards.parquet"
+    tables.write_table("rewards", rewards_rows(), path)
+    assert validations == ["rewards"]
+    first = tables.read_table("rewards", path)
+    assert validations == ["rewards"]  # the very file it checked and wrote
+    assert first.schema.equals(schemas.table_spec("rewards").arrow_schema) and first.num_rows == len(rewards_rows())
+    with pytest.raises(schemas.TableValidationError):  # read as another table: checked, and refused
+        tables.read_table("steps", path)
+    # replaced by other code (a new file) with a bad row: checked on read, and refused
+    table = schemas.table_from_rows("rewards", rewards_rows())
+    rewards = table.column("reward").to_pylist()
+    rewards[2] = float("nan")
+    pq.write_table(table.set_column(table.schema.get_field_index("reward"), "reward", pa.array(rewards, pa.float64())),
+                   path)
+    with pytest.raises(schemas.TableValidationError, match="ep-0/2"):
+        tables.read_table("rewards", path)
+
+
+def test_a_table_edited_in_place_is_checked_again(tmp_path, validations):
+    path = tmp_path / "rewards.parquet"
+    tables.write_table("rewards", rewards_rows(), path)
+    before = os.stat(path)
+    with open(path, "r+b") as handle:  # same inode and size, a new modification time
+        data = handle.read()
+        handle.seek(0)
+        handle.write(data)
+    if os.stat(path).st_mtime_ns == before.st_mtime_ns:  # a clock coarser than this test: as a later write would
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
+    assert os.stat(path).st_ino == before.st_ino
+    tables.read_table("rewards", path)
+    assert validations == ["rewards", "rewards"]
 
 
 def test_corrupt_file_error_names_the_path(tmp_path):
