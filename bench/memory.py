@@ -130,7 +130,7 @@ def iteration_config(spec: dict, data_root: Path):
 
 
 def single_turn_setting(spec: dict):
-    from bench.trl_compare import Setting
+    from bench.trl_side import Setting
 
     return Setting(prompts=spec["prompts"], group_size=spec["group_size"], max_new_tokens=spec["max_new_tokens"],
                    iterations=1, micro_batch_tokens=spec.get("micro_batch_tokens"),
@@ -200,7 +200,8 @@ def child(spec_path: Path) -> int:
     from flows.environment import configure_environment
 
     configure_environment(root / "data")  # before anything imports prefect
-    from bench.trl_compare import pipeline_config, pipeline_tokens, run_pipeline
+    from bench.pipeline_clock import run_pipeline
+    from bench.trl_compare import pipeline_config, pipeline_tokens
 
     if spec["kind"] == "iteration":
         config = iteration_config(spec, root / "data")
@@ -389,7 +390,8 @@ def kv_cache_facts(model_dir: Path, kv_gib: float, dtype_bytes: int) -> dict:
 def measure_vs_trl(args, model_dir: Path, root: Path) -> list[Measurement]:
     """Runs 2 and 3 (and 2b): the same single-turn work in this pipeline and in TRL; the peak ratios."""
     from agent_core.io.layout import new_run_id
-    from bench.trl_compare import TRL_PYTHON, pipeline_config, planned_prompts, trl_command, trl_events, trl_spec
+    from bench.trl_compare import pipeline_config, planned_prompts
+    from bench.trl_side import TRL_PYTHON, trl_command, trl_events, trl_spec
 
     goal = TRL_PEAK_GOAL if args.model == "smollm2" else None
     keys = ("peak_vs_trl", "peak_vs_trl-activation-checkpointing")

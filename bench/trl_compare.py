@@ -66,49 +66,23 @@ Timings on a shared machine are noisy all the same.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench.common import (
-    Goal, Measurement, base_parser, cpu_seconds, parse_args, process_tree, skipped_measurement, write_result,
-)
+from bench.common import Goal, Measurement, base_parser, parse_args, skipped_measurement, write_result
+from bench.pipeline_clock import STAGES, StageClock, run_pipeline
+from bench.trl_side import REPO, Setting, TrlWorker
 
-REPO = Path(__file__).resolve().parent.parent
 SMOLLM2_DIR = REPO / "data" / "models" / "smollm2-135m-instruct"
-TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
-WORKER = Path(__file__).resolve().with_name("trl_grpo_worker.py")
 NAME = "trl_compare"
 GOAL = Goal("TRL seconds per iteration / this pipeline's seconds per iteration (SmolLM2-135M)", ">=", 2.0)
-# flows.train's stage tasks (module attributes the flow body calls) -> name in the time split
-STAGES = {"prepare_data": "prepare", "rollout": "rollout", "label_rewards": "rewards",
-          "compute_advantages": "advantages", "train_policy": "train", "log_iteration": "tracking"}
 QUICK = dict(model="tiny", iterations=2, prompts=4, max_new_tokens=16, precision="fp32")
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One iteration's work, the same on both sides."""
-
-    prompts: int = 16
-    group_size: int = 4
-    max_new_tokens: int = 64
-    iterations: int = 3
-    lr: float = 1e-6  # small, so the policy (and its completion lengths) barely move between iterations
-    trl_grad_accum: int = 4  # TRL micro-batches per optimizer step (ours: trainer.micro_batch_tokens)
-    micro_batch_tokens: int | None = None  # trainer.micro_batch_tokens (None: the pipeline's default)
-    activation_checkpointing: bool = False  # ours only (bench/memory.py's variant)
-    precision: str = "fp32"  # bf16: our trainer.precision and vLLM dtype; TRL's bf16 (autocast) mixed precision
-    seed: int = 0
-    threads: int | None = None  # torch intra-op threads on both sides (None: torch's default)
 
 
 def median_after_first(values: list[float]) -> float:
@@ -181,147 +155,6 @@ def pipeline_config(model_dir: Path, data_root: Path, setting: Setting, engine: 
     }, source="bench.trl_compare")
 
 
-# flows.train's calls before the first and after the last iteration (setup and wrap-up), timed as events
-RUN_CALLS = ("_train", "record_config", "prepare_dataset", "init_policy", "start_tracking", "report_run",
-             "finish_tracking")
-# library calls timed wherever they happen: (module, attribute path, event label); a missing one is skipped
-# (the library may have moved it), and its seconds are then reported as null
-PROBES = (
-    ("agent_core.rollout.vllm_server", "VLLMServer.start", "vllm_server_start"),
-    ("agent_core.rollout.vllm_server", "VLLMServer.reload", "vllm_reload"),
-    ("agent_core.rollout.hf_engine", "HFEngine.generate", "generate"),
-    ("agent_core.rollout.vllm_engine", "VLLMEngine.generate", "generate"),
-    ("agent_core.training.trainer", "_accumulate_and_step", "train_compute"),
-)
-
-
-class StageClock:
-    """Wall seconds of every stage call, by iteration (stage tasks all take (run, iteration, ...)),
-    and `events`: (label, iteration or None, start, end) in unix seconds for the stages
-    ("stage:<label>"), flows.train's setup and wrap-up calls (RUN_CALLS) and the PROBES' library
-    calls (generate, vLLM server start/reload, the trainer's forward/backward/step), so they can
-    be lined up with memory samples taken by another process.
-    before_iteration(k), if given, runs before iteration k's first stage, outside its timing.
-    CPU seconds: this process's plus those of its live descendants (Prefect's server, a vLLM
-    server), except the pids in `exclude_pids` and theirs (e.g. the TRL worker)."""
-
-    def __init__(self, before_iteration=None):
-        self.before_iteration = before_iteration
-        self.exclude_pids: set[int] = set()
-        self.seconds: dict[int, dict[str, float]] = defaultdict(dict)
-        self.spans: dict[int, list[float]] = {}  # iteration -> [wall start, wall end, cpu start, cpu end]
-        self.events: list[tuple[str, int | None, float, float]] = []
-        self.probed: set[str] = set()  # PROBES labels that could be installed
-
-    def cpu_now(self) -> float:
-        others = process_tree(os.getpid(), frozenset(self.exclude_pids))[1:]
-        return time.process_time() + sum(cpu_seconds(pid) for pid in others)
-
-    def wrap(self, label: str, task):
-        def timed(run, iteration, *args, **kwargs):
-            if label == "prepare" and self.before_iteration is not None:
-                self.before_iteration(iteration)
-            started, cpu = time.time(), self.cpu_now()
-            try:
-                return task(run, iteration, *args, **kwargs)
-            finally:
-                ended, cpu_end = time.time(), self.cpu_now()
-                self.events.append((f"stage:{label}", iteration, started, ended))
-                self.seconds[iteration][label] = self.seconds[iteration].get(label, 0.0) + ended - started
-                span = self.spans.setdefault(iteration, [started, ended, cpu, cpu_end])
-                span[1], span[3] = ended, cpu_end
-                if label == "tracking":
-                    print(f"bench: pipeline iteration {iteration}: {span[1] - span[0]:.2f} s "
-                          f"({', '.join(f'{k} {v:.2f}' for k, v in self.seconds[iteration].items())})", flush=True)
-        return timed
-
-    def wrap_call(self, label: str, fn):
-        def timed(*args, **kwargs):
-            started = time.time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.events.append((label, None, started, time.time()))
-        return timed
-
-    def iteration_seconds(self) -> list[float]:
-        return [span[1] - span[0] for _, span in sorted(self.spans.items())]
-
-    def iteration_cpu_seconds(self) -> list[float]:
-        return [span[3] - span[2] for _, span in sorted(self.spans.items())]
-
-    def within(self, label: str, start: float, end: float) -> float:
-        """Seconds of [start, end] during which a `label` call was running (overlapping calls count once)."""
-        intervals = sorted((max(s, start), min(e, end)) for name, _, s, e in self.events
-                           if name == label and s < end and e > start)
-        total, reach = 0.0, start
-        for s, e in intervals:
-            if e > reach:
-                total += e - max(s, reach)
-                reach = e
-        return total
-
-    def first(self, label: str) -> tuple[float, float] | None:
-        found = [(s, e) for name, _, s, e in self.events if name == label]
-        return min(found) if found else None
-
-    def probes(self, k: int) -> dict[str, float | None]:
-        """Iteration k's seconds in each probed call (None: the probe could not be installed)."""
-        start, end = self.spans[k][0], self.spans[k][1]
-        labels = dict.fromkeys(label for _, _, label in PROBES)
-        return {label: (self.within(label, start, end) if label in self.probed else None) for label in labels}
-
-
-def _resolve(module_name: str, path: str):
-    """(owner object, attribute name) of `module.path`, or None when it does not exist."""
-    import importlib
-
-    try:
-        owner = importlib.import_module(module_name)
-    except ImportError:
-        return None
-    *parents, name = path.split(".")
-    for part in parents:
-        owner = getattr(owner, part, None)
-    return (owner, name) if owner is not None and callable(getattr(owner, name, None)) else None
-
-
-def run_pipeline(config, before_iteration=None, clock: StageClock | None = None) -> tuple[object, StageClock]:
-    """Run the training flow with every stage, setup call and probe timed; returns (TrainResult, clock)."""
-    from flows.environment import configure_environment
-
-    configure_environment(config.data_root)  # before prefect is imported
-    import flows.train as train_flow
-    from agent_core.rollout.engines import shutdown_engines
-
-    clock = clock or StageClock(before_iteration)
-    patched = []  # (owner, name, original)
-    for name, label in STAGES.items():
-        patched.append((train_flow, name, getattr(train_flow, name)))
-        setattr(train_flow, name, clock.wrap(label, getattr(train_flow, name)))
-    for name in RUN_CALLS:
-        patched.append((train_flow, name, getattr(train_flow, name)))
-        setattr(train_flow, name, clock.wrap_call(f"run:{name}", getattr(train_flow, name)))
-    for module_name, path, label in PROBES:
-        target = _resolve(module_name, path)
-        if target is None:
-            print(f"bench: {module_name}.{path} not found: its seconds ({label}) are not measured", flush=True)
-            continue
-        owner, name = target
-        patched.append((owner, name, owner.__dict__[name] if name in vars(owner) else getattr(owner, name)))
-        setattr(owner, name, clock.wrap_call(label, getattr(owner, name)))
-        clock.probed.add(label)
-    started = time.time()
-    try:
-        result = train_flow.train(config)
-    finally:
-        clock.events.append(("run:train", None, started, time.time()))
-        for owner, name, original in reversed(patched):
-            setattr(owner, name, original)
-        shutdown_engines()
-    return result, clock
-
-
 def planned_prompts(config) -> list[dict]:
     """Each iteration's prompts, picked by the pipeline's own prepare_data stage (deterministic in the
     seed; the flow rewrites the same tables), as the messages the rollout's env opens with."""
@@ -360,77 +193,6 @@ def pipeline_tokens(config, run_dir: Path) -> tuple[list[int], list[int]]:
         prompt_tokens += [len(s["prompt_ids"]) for s in steps if s["step_idx"] == 0][:: config.rollout.group_size]
         generated.append(sum(len(s["response_ids"]) for s in steps))
     return prompt_tokens, generated
-
-
-# ---- TRL --------------------------------------------------------------------------------------------
-
-TRL_PREFIX = "TRLW "  # the worker's event lines on stdout (bench/trl_grpo_worker.py)
-
-
-def trl_spec(model_dir: Path, rows: list[dict], setting: Setting, workdir: Path, lockstep: bool) -> Path:
-    """The worker's SPEC.json (its module docstring) for `setting`, written into `workdir`."""
-    if not TRL_PYTHON.is_file():
-        raise FileNotFoundError(f"{TRL_PYTHON} not found: run `make trl` first (TRL in its own virtualenv)")
-    spec = {"model_dir": str(model_dir), "prompts": rows, "prompts_per_step": setting.prompts,
-            "num_generations": setting.group_size, "max_completion_length": setting.max_new_tokens,
-            "steps": setting.iterations, "learning_rate": setting.lr, "grad_accum": setting.trl_grad_accum,
-            "seed": setting.seed, "output_dir": str(workdir / "trl_output"), "threads": setting.threads,
-            "lockstep": lockstep, "bf16": setting.precision == "bf16"}
-    path = workdir / "trl_spec.json"
-    path.write_text(json.dumps(spec))
-    return path
-
-
-def trl_command(spec_path: Path) -> tuple[list[str], dict]:
-    """(argv, environment) that run the worker: .venv-trl's Python, nothing of this project on its path."""
-    return [str(TRL_PYTHON), str(WORKER), str(spec_path)], {**os.environ, "PYTHONPATH": ""}
-
-
-def trl_events(lines) -> dict[str, dict]:
-    """The worker's last event of each kind from its stdout lines."""
-    events = {}
-    for line in lines:
-        if line.startswith(TRL_PREFIX):
-            message = json.loads(line[len(TRL_PREFIX):])
-            events[message["event"]] = message
-    return events
-
-
-class TrlWorker:
-    """bench/trl_grpo_worker.py in .venv-trl, stepped over a pipe (its module docstring: protocol)."""
-
-    def __init__(self, model_dir: Path, rows: list[dict], setting: Setting, workdir: Path):
-        self.steps = setting.iterations
-        command, env = trl_command(trl_spec(model_dir, rows, setting, workdir, lockstep=True))
-        print(f"bench: starting the TRL worker ({TRL_PYTHON.relative_to(REPO)})", flush=True)
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                        env=env, cwd=workdir)
-        self.result: dict | None = None
-
-    def _next(self, event: str) -> dict:
-        for line in self.process.stdout:
-            if line.startswith(TRL_PREFIX):
-                message = json.loads(line[len(TRL_PREFIX):])
-                if message["event"] == event:
-                    return message
-        raise RuntimeError(f"the TRL worker exited (status {self.process.wait()}) before '{event}'; "
-                           "its stderr is above")
-
-    def step(self, k: int) -> None:
-        """Run TRL's step k and wait for it (and, after the last one, for the worker's result)."""
-        if k == 0:
-            self._next("ready")
-        self.process.stdin.write("go\n")
-        self.process.stdin.flush()
-        self._next("step")
-        if k == self.steps - 1:
-            self.result = self._next("result")
-            self.process.wait()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
 
 
 # ---- one comparison ---------------------------------------------------------------------------------

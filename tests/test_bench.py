@@ -163,7 +163,7 @@ def test_memory_explanations_are_computed_from_the_groups_at_the_peak():
 
 
 def test_stage_clock_counts_overlapping_calls_once_and_clips_to_the_window():
-    from bench.trl_compare import StageClock
+    from bench.pipeline_clock import StageClock
 
     clock = StageClock()
     clock.events += [("generate", None, 10.0, 14.0), ("generate", None, 12.0, 16.0), ("generate", None, 18.0, 30.0),
