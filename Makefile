@@ -83,7 +83,7 @@ vllm: $(VLLM_STAMP)
 # Benchmarks: speed goals as ratios measured within one run -> bench/results/*.json, docs/benchmarks.md.
 # `make bench BENCH_ARGS=--quick` is a smoke run at tiny sizes, every row (results and page in a temporary
 # folder): 5-8 minutes on 2 cores. A full run needs vLLM (rollout, trl_compare, memory), TRL
-# (trl_compare, memory), SmolLM2 (trl_compare, memory, training) and Ray (scale_out): about 70 minutes on 2 cores, 30
+# (trl_compare, memory), SmolLM2 (trl_compare, memory, training) and Ray (scale_out): about 45 minutes on 2 cores, 24
 # of them trl_compare; shorter: BENCH_ARGS='--args "trl_compare=--iterations 2"' (bench/run_all.py, --help).
 BENCH_ARGS ?=
 bench: $(STAMP) vllm trl $(SMOLLM2_DIR)/config.json ray

@@ -61,9 +61,9 @@ from rollout.vllm.kv_cache_gib (default 1, fractions allowed; --kv-cache-gib her
 pipeline's default, run 1b: 0.25). The details give the KV bytes per token (in the server's dtype)
 and the tokens the cache holds, next to the contexts the rollout needed.
 
-Cost (measured 2026-11-25 on 2 quiet cores): a full run took 13.6 minutes and needs `make vllm
-trl smollm2`: run 1 and run 1b about 5 minutes each (a rollout of ~256 agent steps, training on
-~29k episode tokens, setup), runs 2, 2b and 3 about 1 minute each. `--only iteration` (or
+Cost (measured 2026-11-26 on 2 quiet cores): a full run took 9.3 minutes and needs `make vllm
+trl smollm2`: run 1 and run 1b about 2.5 and 3.5 minutes (a rollout of ~256 agent steps, training
+on ~29k episode tokens, setup), runs 2, 2b and 3 about 1 minute each. `--only iteration` (or
 low_memory, trl) runs one part. --quick: the tiny model, 4 prompts x 2 samples x 2 steps x 16
 tokens (2-3 minutes, most of it the vLLM server's start). A run whose tree passes --max-gib
 (default 16) is killed, to spare the shared machine, and reported at that value.

@@ -38,7 +38,7 @@ generated from those files.
 How to run:
 
 ```bash
-make bench                       # every benchmark at full size, then this page (about 70 minutes on 2 cores)
+make bench                       # every benchmark at full size, then this page (about 45 minutes on 2 cores)
 make bench BENCH_ARGS=--quick    # smoke run: tiny sizes, every row, 5-8 minutes (ratios then mean little)
 make bench BENCH_ARGS='--args "trl_compare=--iterations 2"'   # more arguments for one script
 .venv/bin/python -m bench.<name> [--quick] [--help]   # one benchmark; --help lists its arguments

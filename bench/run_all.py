@@ -12,8 +12,8 @@ size (its defaults), plus FULL_RUN_ARGS: the rollout benchmark measures both eng
 both precisions by default (SmolLM2 and the tiny model, 3 iterations each); memory runs the
 issue's SmolLM2 iteration with the vLLM engine (default and low-memory settings) and the
 single-turn peak against TRL. It needs `make vllm trl smollm2 ray` (`make bench` builds them) and
-takes about 70 minutes on 2 quiet cores (measured 2026-11-25 script by script): trl_compare ~30
-min, memory ~14, overhead ~10, rollout ~5, training ~4, scale_out ~3, scaling ~1. A measurement
+takes about 45 minutes on 2 quiet cores (measured 2026-11-26 script by script): trl_compare ~24
+min, memory ~9, rollout ~4, training ~3, scale_out ~2.5, overhead ~1.5, scaling ~0.5. A measurement
 whose engine or virtualenv is missing is recorded as skipped, not failed. `--args "NAME=ARGS"`
 (repeatable) appends arguments to one script's command, e.g. `--args "trl_compare=--iterations
 2"` (about 10 minutes less) or `--args "memory=--only iteration"`; from make: `make bench

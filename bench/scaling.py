@@ -16,12 +16,19 @@ the largest / agent steps at the smallest), agent steps = steps actually taken i
 (episodes x steps per episode). 1.0 = exactly linear; < 1 = sub-linear (batching absorbs the
 growth: more episodes fill the same engine and trainer batches); > 1 = super-linear (e.g.
 contexts re-encoded per step, attention over longer contexts). Goal <= 1.2 on both axes. A
-warm-up iteration of the smallest size runs first. Default sizes take a few minutes on 2 cores.
+warm-up iteration of the smallest size runs first; then every point runs --repeats times, the
+points taking turns (round r runs each point once), and each point's median seconds are used (one
+iteration of the smallest point takes ~0.2 s: single runs are at the mercy of the machine). The
+details also count the context tokens the engine prefilled (`prefill_tokens`: the prompt ids of
+every step): with the hf engine, which keeps no KV cache between an episode's turns, they grow
+faster than the agent steps on the steps axis, since each turn's context holds the turns before it.
+Default sizes take about a minute on 2 cores.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 import time
 
@@ -37,7 +44,7 @@ NAME = "scaling"
 TITLE = "Scaling: iteration time vs episodes and vs steps per episode"
 GOAL = Goal("(time ratio largest/smallest) / (agent-step ratio largest/smallest)", "<=", 1.2)
 QUICK = dict(episodes="2,4", steps="1,2", base_steps=2, base_episodes=2, group_size=2, max_new_tokens=4,
-             policy="quick")
+             policy="quick", repeats=1)
 
 
 def _sizes(text: str) -> list[int]:
@@ -58,6 +65,7 @@ def arguments(argv: list[str] | None):
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="padded tokens per micro-batch")
     parser.add_argument("--policy", choices=sorted(POLICY_SIZES), default="demo", help="policy size")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task, the weights and the sampling")
+    parser.add_argument("--repeats", type=int, default=5, help="iterations per point (taking turns); the median is used")
     args = parse_args(parser, argv, QUICK)
     args.episode_sizes, args.step_sizes = _sizes(args.episodes), _sizes(args.steps)
     for count in [*args.episode_sizes, args.base_episodes]:
@@ -95,9 +103,17 @@ def one_iteration(base_model, tokenizer, task, args, episodes: int, steps: int) 
     train_iteration(model, make_optimizer(model, lr=3e-4), rows, settings, pad_id=tokenizer.pad_token_id)
     train_seconds = time.perf_counter() - started
     return {"episodes": episodes, "max_steps": steps, "agent_steps": len(records),
-            "generated_tokens": sum(len(r.response_ids) for r in records), "train_rows": len(rows),
+            "generated_tokens": sum(len(r.response_ids) for r in records),
+            "prefill_tokens": sum(len(r.prompt_ids) for r in records), "train_rows": len(rows),
             "train_tokens": sum(len(r) for r in rows), "rollout_seconds": round(rollout_seconds, 3),
             "train_seconds": round(train_seconds, 3), "seconds": round(rollout_seconds + train_seconds, 3)}
+
+
+def median_point(points: list[dict]) -> dict:
+    """The point's work (the same every repeat: seeded) with the median of each part's seconds."""
+    middle = lambda key: round(statistics.median(p[key] for p in points), 3)  # noqa: E731
+    return {**points[0], "rollout_seconds": middle("rollout_seconds"), "train_seconds": middle("train_seconds"),
+            "seconds": middle("seconds"), "repeat_seconds": [p["seconds"] for p in points]}
 
 
 def axis_measurement(key: str, points: list[dict]) -> Measurement:
@@ -113,7 +129,9 @@ def axis_measurement(key: str, points: list[dict]) -> Measurement:
         train = large["train_seconds"] / small["train_seconds"] / size_ratio
         why = (f"time grew {time_ratio:.2f}x for {size_ratio:.2f}x the agent steps; per part (same definition): "
                f"rollout {rollout:.2f}, training {train:.2f}. A part above 1 is where cost grows faster than the "
-               "work.")
+               f"work. The contexts the engine prefilled grew {large['prefill_tokens'] / small['prefill_tokens']:.2f}x "
+               f"and the tokens trained {large['train_tokens'] / small['train_tokens']:.2f}x (generated: "
+               f"{large['generated_tokens'] / small['generated_tokens']:.2f}x).")
     return Measurement(key, ratio, GOAL, details, why_missed=why)
 
 
@@ -127,22 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = tiny_policy(task, POLICY_SIZES[args.policy], seed=args.seed)
     one_iteration(model, tokenizer, task, args, args.group_size, 1)  # warm-up
     progress("warm-up done")
-    done: dict[tuple[int, int], dict] = {}
-
-    def point(episodes: int, steps: int) -> dict:
-        if (episodes, steps) not in done:
-            done[episodes, steps] = one_iteration(model, tokenizer, task, args, episodes, steps)
-            p = done[episodes, steps]
-            progress(f"{episodes} episodes x {steps} steps: {p['agent_steps']} agent steps, rollout "
-                     f"{p['rollout_seconds']:.2f}s + train {p['train_seconds']:.2f}s")
-        return done[episodes, steps]
-
-    by_episodes = [point(e, args.base_steps) for e in args.episode_sizes]
-    by_steps = [point(args.base_episodes, s) for s in args.step_sizes]
+    sizes = list(dict.fromkeys([*((e, args.base_steps) for e in args.episode_sizes),
+                                *((args.base_episodes, s) for s in args.step_sizes)]))
+    runs: dict[tuple[int, int], list[dict]] = {size: [] for size in sizes}
+    for round_ in range(args.repeats):
+        for episodes, steps in sizes:
+            p = one_iteration(model, tokenizer, task, args, episodes, steps)
+            runs[episodes, steps].append(p)
+            progress(f"round {round_ + 1}/{args.repeats}: {episodes} episodes x {steps} steps: {p['agent_steps']} "
+                     f"agent steps, rollout {p['rollout_seconds']:.2f}s + train {p['train_seconds']:.2f}s")
+    done = {size: median_point(points) for size, points in runs.items()}
+    by_episodes = [done[e, args.base_steps] for e in args.episode_sizes]
+    by_steps = [done[args.base_episodes, s] for s in args.step_sizes]
     measurements = [axis_measurement("episodes", by_episodes), axis_measurement("steps_per_episode", by_steps)]
     config = {k: v for k, v in vars(args).items() if k not in ("results_dir", "episode_sizes", "step_sizes")}
     write_result(NAME, TITLE, measurements, seconds=progress.elapsed, config=config, results_dir=args.results_dir,
-                 argv=argv, notes=f"policy {args.policy}; one iteration per point, no repeats.")
+                 argv=argv, notes=f"policy {args.policy}; each point the median of {args.repeats} iterations "
+                                  "(the points taking turns); seconds, not work, differ between repeats.")
     return 0
 
 

@@ -49,10 +49,10 @@ vllm engine also `rollout.vllm.dtype: bfloat16`, the hf engine generates in fp32
 the Trainer's bf16 mixed precision (`bf16=True`, accelerate's autocast around the model's forward,
 generation included), both on the CPU.
 
-Cost of a full run (2 quiet cores, SmolLM2, measured 2026-11-25: TRL ~70-80 s per step, the
-pipeline ~55 s per iteration with vllm fp32): one iteration of both sides takes 2-3 minutes per
-engine and precision (vllm's first also starts the server, ~25 s), so --model smollm2 with the
-default 3 iterations x 2 engines x 2 precisions takes about 30 minutes, the tiny model a few more;
+Cost of a full run (2 quiet cores, SmolLM2, measured 2026-11-26: TRL 47-65 s per step, the
+pipeline 32-47 s per iteration): one iteration of both sides takes 1.5-2 minutes per engine and
+precision (vllm's first also starts the server, ~25 s), so --model smollm2 with the default 3
+iterations x 2 engines x 2 precisions takes about 22 minutes, the tiny model two more;
 --iterations N (at least 2) scales it linearly, --engine or --precision halves it.
 
 Threads: OMP_WAIT_POLICY=PASSIVE is set for both sides unless already set: with torch's default
