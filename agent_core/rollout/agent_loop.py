@@ -1,16 +1,13 @@
 """The multi-step agent loop: many episodes against one engine, one step = one LLM call + env answer.
 
 Scheduling is event-driven, so every unfinished episode's next request is in flight and one slow
-tool or long episode does not stall the others (docs/architecture.md §6). `generate` calls of an
-engine that takes N > 1 at once (a server that batches continuously across calls) run in a pool of
-N threads; an engine that takes one call at a time (`concurrent_calls`, e.g. the in-process hf
-engine) is called on the calling thread, where waiting for it costs nothing more. That is not only
-simpler: torch gives every thread that runs parallel ops its own OpenMP team, and with two teams on
-as many cores as one team has threads OpenMP throttles their spinning, which made hf generate 35%
-slower on a second thread (bench/rollout.py, 2 cores). Env steps (tool calls) run in a pool of
-`env_workers` threads either way, so tools run while the engine generates. The calling thread waits for
-whichever call or env step finishes first, applies it to its episode, and dispatches: when an
-engine slot is free, all ready episodes go out as one `generate` call if
+tool or long episode does not stall the others (docs/architecture.md §6). An engine taking N > 1
+calls at once (`concurrent_calls`: a server batching across calls) gets a pool of N threads; a
+one-call engine (hf) runs on the calling thread: on a second thread torch would give it a second
+OpenMP team, and two teams on 2 cores ran hf generate 35% slower (bench/rollout.py). Env steps
+(tool calls) run in a pool of `env_workers` threads, so tools run while the engine generates.
+The calling thread waits for whichever call or env step finishes first, applies it to its episode,
+and dispatches: when an engine slot is free, all ready episodes go out as one `generate` call if
   (a) no env step is pending (nothing else could join the call), or
   (b) the engine has been free with episodes ready for `straggler_wait_s` (a straggler tool does
       not hold up the others longer than that, counted from when a call could first be sent), or
@@ -260,7 +257,6 @@ class _Scheduler:
                    **{"tokens/s": self.generated_tokens / elapsed if elapsed > 0 else math.nan})
 
 
-
 def _run_here(fn, *args) -> Future:
     """`fn(*args)` run now on this thread, as a finished Future holding its result or its exception
     (so the loop treats it like a call that ran on the engine pool)."""
@@ -274,8 +270,8 @@ def _run_here(fn, *args) -> Future:
 
 def _timed_generate(engine: Engine, prompts: list[list[int]], params: SamplingParams,
                     episode_ids: list[str]) -> tuple[list[Generation], float]:
-    """(generations, wall seconds of the call); runs on an engine thread (or the loop's own, `_run_here`). An engine that routes by
-    session (`routes_sessions`, agent_core/cluster) is told each prompt's episode."""
+    """(generations, wall seconds of the call); runs on an engine thread or the loop's own (`_run_here`).
+    An engine that routes by session (`routes_sessions`, agent_core/cluster) is told each prompt's episode."""
     failpoint("engine:generate")  # a crash mid-rollout, whichever engine
     started = time.perf_counter()
     if getattr(engine, "routes_sessions", False):
