@@ -18,6 +18,7 @@ import time
 import pytest
 
 from agent_core.envs.sandbox import (
+    MEMORY_EXIT_CODE,
     SANDBOX_LAYERS,
     TRUNCATION_MARKER,
     SandboxResult,
@@ -96,7 +97,7 @@ def test_infinite_loop_is_stopped_by_the_timeout_keeping_earlier_output():
 def test_allocating_2_gb_under_a_256_mb_limit_fails_with_memory_error():
     result = run_python("data = bytearray(2 * 1024**3)\nprint('allocated')", memory_mb=256)
     assert "allocated" not in result.stdout
-    assert result.killed_by == "memory" and result.exit_code == 1 and not result.timed_out
+    assert result.killed_by == "memory" and result.exit_code == MEMORY_EXIT_CODE and not result.timed_out
     assert result.stderr.rstrip().endswith("MemoryError")
     assert result.tool_text().endswith("killed: memory limit (256 MB)")
 

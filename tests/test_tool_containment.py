@@ -20,6 +20,7 @@ import pytest
 from agent_core.envs import tools as tools_module
 from agent_core.envs.base import EnvStep
 from agent_core.envs.registry import EnvResources, make_env
+from agent_core.envs.sandbox import sandbox_layers
 from agent_core.envs.tool_env import ToolEnv
 from agent_core.envs.tools import Tool, ToolResult, abandoned_calls, function_tool
 from agent_core.io.tables import write_table
@@ -162,7 +163,9 @@ def _sandbox_cases(port: int, outside: str) -> dict[str, tuple[str, str]]:
         "floods": ("print('x' * 10**6)", "[truncated]"),
         "own_dir": ("open('f', 'w').write('kept')\nprint(open('f').read())", "kept"),  # its private temp dir
         "fine": ("print(6 * 7)", "42"),
-    }
+    } | ({"disk": ("for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * 2**20)",  # 100 MB in 1 MB files
+                   "disk full: tried to write more than 64 MB in total")}
+         if "tmpfs" in sandbox_layers() else {})  # no total cap without user namespaces
 
 
 def test_model_code_that_crashes_hangs_or_escapes_is_contained_by_the_sandbox(tokenizer, tmp_path):
@@ -187,6 +190,8 @@ def test_model_code_that_crashes_hangs_or_escapes_is_contained_by_the_sandbox(to
         assert "next" in second.observation_text and last.termination == "answered"
     assert len(by_case["floods"][0].observation_text) < 1200
     assert json.loads(by_case["segfault"][0].info)["tool_info"][0]["killed_by"] == "signal"
+    if "disk" in cases:
+        assert json.loads(by_case["disk"][0].info)["tool_info"][0]["disk_full"] == "size"
 
 
 # ---- tools that raise, flood, return garbage; a broken env -------------------------------------------

@@ -8,16 +8,31 @@ HOME, TMPDIR, PATH and LANG (nothing of the caller's). `sandbox_child.py` is the
 `main.py` in the working directory. The caller enforces the wall-clock timeout by killing the
 child's process group, and caps stdout/stderr at `max_output_chars` each ("[truncated]").
 
+The program cannot forge what the caller reports. The child sends its one status line ("layers
+a,b,c") over a socketpair before any of the program's code runs; the caller closes its end and
+answers "go", the child closes its own: no descriptor of the channel is left anywhere for the
+program to write to. The rest comes from the kernel: the caller's wall clock, the exit status and
+CPU seconds from `wait4` (SIGXCPU means a timeout only if the CPU allowance was really used), and
+the tmpfs's usage through a descriptor opened during the handshake. `killed_by == "memory"` is the
+bootstrap's exit status after an uncaught MemoryError (MEMORY_EXIT_CODE): the program's own word,
+like any exit status (it may `raise MemoryError`), but it can never fake a timeout or its layers.
+
 Layers, each independent (`SandboxResult.layers` lists those a run got; `sandbox_layers()` those
 this machine gives):
 
 - rlimits: CPU seconds (timeout + 1, then SIGXCPU), address space = memory_mb (allocations fail
-  with MemoryError), files <= 16 MB, 64 open files, no core dumps. RLIMIT_NPROC (32 tasks) only
-  for a non-root caller whose child got a user namespace: it counts per user and namespace, so
-  elsewhere it would count all of the user's processes, and the kernel never enforces it for uid
-  0. Forks are stopped by seccomp and the audit hook instead; threads are bounded by memory_mb.
+  with MemoryError), each file <= 16 MB (or disk_mb), 64 open files, no core dumps. RLIMIT_NPROC
+  (32 tasks) only for a non-root caller whose child got a user namespace: it counts per user and
+  namespace, so elsewhere it would count all of the user's processes, and the kernel never enforces
+  it for uid 0. Forks are stopped by seccomp and the audit hook instead; threads are bounded by memory_mb.
 - netns: a new user + network namespace: one loopback interface, down. No IP traffic at all,
   including to the host's 127.0.0.1. Also drops every capability the caller had (root included).
+- tmpfs: the working directory is a private tmpfs (own user + mount namespace) of disk_mb (default
+  64) and MAX_FILES inodes: the kernel refuses the write that would pass either (ENOSPC), so one
+  call's files hold at most disk_mb in total, in memory (besides memory_mb, which caps the address
+  space), never on disk; the tool's text says "disk full: tried to write more than N MB in total".
+  The program runs in a nested, unmapped user namespace: it cannot unmount the tmpfs; mounting
+  another in a mount namespace of its own is refused by seccomp, Landlock, no_capabilities, the hook.
 - no_capabilities: capset() to an empty set (what is left after netns, or root's own).
 - landlock_fs (Landlock ABI >= 1): reads only beneath the interpreter's sys.path, the system
   library dirs (/lib, /lib64, /usr/lib, /usr/lib64, /usr/local/lib), /usr/share/zoneinfo,
@@ -46,8 +61,9 @@ restricts a run to chosen layers (the tests use it to prove each layer alone). K
   root caller's program could write root-owned files; run the caller unprivileged if you can;
 - without landlock_scope and seccomp, raw syscalls can signal the caller (same uid);
 - `os.stat` works on any path: Landlock and the hook guard contents and listings, not metadata;
-- disk use is capped per file (16 MB), not in total; CPU seconds count every thread, so a
-  multi-threaded busy loop hits the CPU limit before the wall clock;
+- without the tmpfs layer (no user namespaces) disk use is capped per file, not in total; CPU
+  seconds count every thread, so a multi-threaded busy loop hits the CPU limit before
+  the wall clock;
 - pathname UNIX sockets are stopped only by seccomp and the hook (Landlock and netns do not
   cover them); without seccomp or Landlock (not x86_64 / aarch64) only netns, rlimits and the
   hook are left, and the hook can be bypassed;
@@ -59,9 +75,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -77,12 +95,17 @@ from agent_core.envs.tools import TOOLS, Tool, ToolResources, ToolResult
 _CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 
 SANDBOX_LAYERS = (
-    "rlimits", "netns", "no_capabilities", "landlock_fs", "landlock_net", "landlock_scope", "seccomp", "audit_hook",
+    "rlimits", "netns", "tmpfs", "no_capabilities", "landlock_fs", "landlock_net", "landlock_scope", "seccomp",
+    "audit_hook",
 )
 KilledBy = Literal["timeout", "memory", "signal"]
+DiskFull = Literal["size", "files"]
 MAX_FILE_BYTES = 16 * 1024 * 1024
 MAX_OPEN_FILES = 64
 MAX_TASKS_IN_NAMESPACE = 32
+MAX_FILES = 4096  # the scratch tmpfs's inodes
+DEFAULT_DISK_MB = 64
+MEMORY_EXIT_CODE = 121  # the child's exit status after an uncaught MemoryError
 MIN_MEMORY_MB = 64  # headroom for the interpreter, the bootstrap and a traceback
 TRUNCATION_MARKER = "\n[truncated]"
 _DRAIN_GRACE_S = 3.0  # how long to wait for the pipes to close once the child is dead
@@ -92,7 +115,9 @@ _DRAIN_GRACE_S = 3.0  # how long to wait for the pipes to close once the child i
 class SandboxResult:
     """One run. exit_code: the process's exit status, negative for "killed by that signal" (as
     subprocess reports it). timed_out: the wall-clock or CPU limit stopped it. truncated: stdout
-    or stderr was cut at max_output_chars. layers: the isolation layers this run actually had."""
+    or stderr was cut at max_output_chars. layers: the isolation layers this run actually had.
+    disk_full: its scratch tmpfs ended full ("size": disk_mb, "files": MAX_FILES), None if not or
+    if it had no tmpfs."""
 
     stdout: str
     stderr: str
@@ -104,12 +129,18 @@ class SandboxResult:
     layers: tuple[str, ...]
     timeout_s: float
     memory_mb: int
+    disk_full: DiskFull | None = None
+    disk_mb: int = DEFAULT_DISK_MB
 
     def tool_text(self) -> str:
         """What the model sees: stdout, then stderr, then why it stopped if not cleanly."""
         parts = [self.stdout.rstrip("\n")] if self.stdout else []
         if self.stderr:
             parts.append("stderr:\n" + self.stderr.rstrip("\n"))
+        if self.disk_full == "size":
+            parts.append(f"disk full: tried to write more than {self.disk_mb} MB in total (the limit for one call)")
+        elif self.disk_full == "files":
+            parts.append(f"disk full: tried to create more than {MAX_FILES} files (the limit for one call)")
         if self.killed_by == "timeout":
             parts.append(f"timed out after {self.timeout_s:g}s")
         elif self.killed_by == "memory":
@@ -122,12 +153,13 @@ class SandboxResult:
 
 
 def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 4000,
-               layers: Collection[str] | None = None) -> SandboxResult:
+               disk_mb: int = DEFAULT_DISK_MB, layers: Collection[str] | None = None) -> SandboxResult:
     """Run `code` as a program in the sandbox (see the module docstring); never raises for what
-    the code does. layers: None for every layer this machine has, or a subset of SANDBOX_LAYERS."""
+    the code does. disk_mb: the most its files may hold in total (the tmpfs layer). layers: None for
+    every layer this machine has, or a subset of SANDBOX_LAYERS."""
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
-    check_limits(timeout_s, memory_mb, max_output_chars)
+    check_limits(timeout_s, memory_mb, max_output_chars, disk_mb)
     wanted = SANDBOX_LAYERS if layers is None else (layers,) if isinstance(layers, str) else tuple(layers)
     unknown = sorted(set(wanted) - set(SANDBOX_LAYERS))
     if unknown:
@@ -139,12 +171,12 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_o
         # half-written, so it does not go through agent_core.io's atomic writes.
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as file:
             file.write(code)
-        return _run_child(workdir, float(timeout_s), memory_mb, max_output_chars, wanted)
+        return _run_child(workdir, float(timeout_s), memory_mb, disk_mb, max_output_chars, wanted)
     finally:
         _remove_tree(workdir)
 
 
-def check_limits(timeout_s: float, memory_mb: int, max_output_chars: int) -> None:
+def check_limits(timeout_s: float, memory_mb: int, max_output_chars: int, disk_mb: int = DEFAULT_DISK_MB) -> None:
     """ValueError naming the first limit that `run_python` would refuse."""
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
         raise ValueError(f"timeout_s must be a positive finite number of seconds, got {timeout_s!r}")
@@ -152,6 +184,8 @@ def check_limits(timeout_s: float, memory_mb: int, max_output_chars: int) -> Non
         raise ValueError(f"memory_mb must be an int >= {MIN_MEMORY_MB}, got {memory_mb!r}")
     if not (isinstance(max_output_chars, int) and max_output_chars >= 1):
         raise ValueError(f"max_output_chars must be an int >= 1, got {max_output_chars!r}")
+    if not (isinstance(disk_mb, int) and not isinstance(disk_mb, bool) and disk_mb >= 1):
+        raise ValueError(f"disk_mb must be an int >= 1 (MB the program's files may hold in total), got {disk_mb!r}")
 
 
 @cache
@@ -160,37 +194,104 @@ def sandbox_layers() -> tuple[str, ...]:
     return run_python("pass").layers
 
 
-def _run_child(workdir: str, timeout_s: float, memory_mb: int, max_output_chars: int,
+def _run_child(workdir: str, timeout_s: float, memory_mb: int, disk_mb: int, max_output_chars: int,
                wanted: tuple[str, ...]) -> SandboxResult:
-    status_read, status_write = os.pipe()
-    spec = {"layers": list(wanted), "timeout_s": timeout_s, "memory_mb": memory_mb,
-            "parent_pid": os.getpid(), "status_fd": status_write}
+    status, child_end = socket.socketpair()  # the status channel: see the module docstring
+    spec = {"layers": list(wanted), "timeout_s": timeout_s, "memory_mb": memory_mb, "disk_mb": disk_mb,
+            "parent_pid": os.getpid(), "status_fd": child_end.fileno()}
     command = [sys.executable, "-I", "-S", "-B", "-u", "-X", "utf8", _CHILD_SCRIPT, json.dumps(spec)]
     environment = {"HOME": workdir, "TMPDIR": workdir, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     started = time.monotonic()
     try:
         process = subprocess.Popen(command, cwd=workdir, env=environment, stdin=subprocess.DEVNULL,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                   pass_fds=(status_write,))
+                                   pass_fds=(child_end.fileno(),))
+    except BaseException:
+        status.close()
+        raise
     finally:
-        os.close(status_write)
+        child_end.close()
     limit_bytes = 4 * max_output_chars + 4  # UTF-8 needs at most 4 bytes per character
     readers = [_CappedReader(stream, limit_bytes) for stream in (process.stdout, process.stderr)]
-    timed_out = not _wait_unreaped(process.pid, timeout_s)
-    _kill_group(process.pid)  # also whatever the program left behind in its group
-    returncode = process.wait()
+    deadline = started + timeout_s
+    layers, scratch = _handshake(status, process.pid, workdir, deadline)
+    try:
+        timed_out = not _wait_unreaped(process.pid, max(0.0, deadline - time.monotonic()))
+        _kill_group(process.pid)  # also whatever the program left behind in its group
+        returncode, cpu_s = _reap(process)
+        disk_full = _disk_full(scratch) if scratch is not None else None
+    finally:
+        if scratch is not None:
+            os.close(scratch)
     seconds = time.monotonic() - started
     for reader in readers:
         reader.join(_DRAIN_GRACE_S)
-    status = _read_status(status_read)
     (stdout, cut_out), (stderr, cut_err) = (reader.text(max_output_chars) for reader in readers)
-    timed_out = timed_out or returncode == -signal.SIGXCPU
+    # RLIMIT_CPU's SIGXCPU (or the SIGKILL after it) counts only if the kernel says the CPU was used
+    timed_out = timed_out or ("rlimits" in layers and cpu_s >= _cpu_limit_s(timeout_s) - 0.01)
     killed_by: KilledBy | None = (
-        "timeout" if timed_out else "memory" if "memory" in status else "signal" if returncode < 0 else None
+        "timeout" if timed_out else "memory" if returncode == MEMORY_EXIT_CODE
+        else "signal" if returncode < 0 else None
     )
     return SandboxResult(stdout=stdout, stderr=stderr, exit_code=returncode, timed_out=timed_out,
-                         killed_by=killed_by, seconds=seconds, truncated=cut_out or cut_err,
-                         layers=tuple(status.get("layers", ())), timeout_s=timeout_s, memory_mb=memory_mb)
+                         killed_by=killed_by, seconds=seconds, truncated=cut_out or cut_err, layers=layers,
+                         timeout_s=timeout_s, memory_mb=memory_mb, disk_full=disk_full, disk_mb=disk_mb)
+
+
+def _handshake(status: socket.socket, pid: int, workdir: str, deadline: float) -> tuple[tuple[str, ...], int | None]:
+    """The layers from the child's status line, then "go" and the channel closed. Also, while the
+    child waits, a descriptor of its tmpfs if it got one (to measure it after the run)."""
+    with status:
+        data = b""
+        try:
+            while b"\n" not in data and (remaining := deadline - time.monotonic()) > 0:
+                status.settimeout(remaining)
+                if not (chunk := status.recv(4096)):
+                    break  # the child died before its layers were in place
+                data += chunk
+        except OSError:  # TimeoutError included: the run's time is up; the child gets no "go"
+            return (), None
+        line, newline, _ = data.partition(b"\n")
+        if not (newline and line.startswith(b"layers ")):
+            return (), None
+        layers = tuple(name for name in line[7:].decode("ascii", "replace").split(",") if name in SANDBOX_LAYERS)
+        scratch = _open_scratch(pid, workdir) if "tmpfs" in layers else None
+        try:
+            status.sendall(b"1")
+        except OSError:
+            pass  # the child is gone; waiting for it says so
+        return layers, scratch
+
+
+def _open_scratch(pid: int, workdir: str) -> int | None:
+    """A descriptor of the child's tmpfs (seen through its mount namespace), or None."""
+    try:
+        fd = os.open(f"/proc/{pid}/root{workdir}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if os.fstat(fd).st_dev == os.stat(workdir).st_dev:  # not the tmpfs: nothing to measure
+        os.close(fd)
+        return None
+    return fd
+
+
+def _disk_full(scratch: int) -> DiskFull | None:
+    usage = os.fstatvfs(scratch)
+    return "size" if usage.f_bfree == 0 else "files" if usage.f_ffree == 0 else None
+
+
+def _reap(process: subprocess.Popen) -> tuple[int, float]:
+    """Exit status (negative: killed by that signal) and CPU seconds of all its threads, from wait4."""
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    return process.returncode, usage.ru_utime + usage.ru_stime
+
+
+def _cpu_limit_s(timeout_s: float) -> float:
+    """RLIMIT_CPU's soft limit as sandbox_child._apply_rlimits sets it (the child inherits our hard one)."""
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    limit = math.ceil(timeout_s) + 1
+    return limit if hard == resource.RLIM_INFINITY else min(limit, hard)
 
 
 class _CappedReader(threading.Thread):
@@ -241,26 +342,6 @@ def _kill_group(pgid: int) -> None:
         pass  # already gone
 
 
-def _read_status(fd: int) -> dict:
-    """The child's status lines: "layers a,b,c" once set up, "memory" on a MemoryError."""
-    os.set_blocking(fd, False)
-    data = b""
-    try:
-        while chunk := os.read(fd, 65536):
-            data += chunk
-    except BlockingIOError:
-        pass  # a leftover grandchild still holds the write end
-    finally:
-        os.close(fd)
-    status: dict = {}
-    for line in data.decode("ascii", errors="replace").splitlines():
-        if line.startswith("layers ") and "layers" not in status:
-            status["layers"] = [name for name in line[7:].split(",") if name in SANDBOX_LAYERS]
-        elif line == "memory":
-            status["memory"] = True
-    return status
-
-
 def _remove_tree(path: str) -> None:
     def make_writable_and_retry(function, failed_path, _exc_info):
         os.chmod(os.path.dirname(failed_path), stat.S_IRWXU)  # the program may have chmod-ed it away
@@ -299,18 +380,19 @@ class PythonTool(Tool):
         "additionalProperties": False,
     }
 
-    def __init__(self, *, timeout_s: float, memory_mb: int, max_output_chars: int):
-        check_limits(timeout_s, memory_mb, max_output_chars)
-        self.limits = {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_output_chars": max_output_chars}
+    def __init__(self, *, timeout_s: float, memory_mb: int, max_output_chars: int, disk_mb: int = DEFAULT_DISK_MB):
+        check_limits(timeout_s, memory_mb, max_output_chars, disk_mb)
+        self.limits = {"timeout_s": timeout_s, "memory_mb": memory_mb, "max_output_chars": max_output_chars,
+                       "disk_mb": disk_mb}
         super().__init__(timeout_s=timeout_s + _TOOL_GRACE_S)
 
     def execute(self, arguments: dict) -> ToolResult:
         result = run_python(arguments["code"], **self.limits)
         info = {"exit_code": result.exit_code, "killed_by": result.killed_by, "seconds": result.seconds,
-                "truncated": result.truncated, "sandbox_layers": list(result.layers)}
+                "truncated": result.truncated, "disk_full": result.disk_full, "sandbox_layers": list(result.layers)}
         return ToolResult(text=result.tool_text(), info=info)
 
 @TOOLS.register("python")
 def make_python_tool(resources: ToolResources, *, timeout_s: float = 5.0, memory_mb: int = 512,
-                     max_output_chars: int = 4000) -> PythonTool:
-    return PythonTool(timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars)
+                     max_output_chars: int = 4000, disk_mb: int = DEFAULT_DISK_MB) -> PythonTool:
+    return PythonTool(timeout_s=timeout_s, memory_mb=memory_mb, max_output_chars=max_output_chars, disk_mb=disk_mb)

@@ -1,8 +1,9 @@
 """The sandbox's child side: run as `python -I -S sandbox_child.py SPEC` by `agent_core.envs.sandbox`.
 
 Standard library only (the child interpreter has no site-packages and cannot import the project):
-it applies the isolation layers to itself, then runs the model's program from `main.py` in its
-working directory. See `agent_core/envs/sandbox.py` for what each layer guarantees.
+it applies the isolation layers to itself, reports them on the status socket, closes it, then runs
+the model's program from `main.py` in its working directory. See `agent_core/envs/sandbox.py` for
+what each layer guarantees and why the status channel is gone before the program starts.
 """
 
 import ctypes
@@ -16,6 +17,10 @@ import sys
 MAX_FILE_BYTES = 16 * 1024 * 1024
 MAX_OPEN_FILES = 64
 MAX_TASKS_IN_NAMESPACE = 32
+MAX_FILES = 4096  # inodes of the scratch tmpfs, directories included
+MEMORY_EXIT_CODE = 121  # exit status after an uncaught MemoryError (sandbox.py reads it)
+_NEWNS, _NEWUSER, _NEWNET = 0x00020000, 0x10000000, 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -40,9 +45,8 @@ def _child_main(spec_json: str) -> None:
     wanted, workdir, status_fd = set(spec["layers"]), os.getcwd(), spec["status_fd"]
     read_dirs, read_files = _interpreter_read_paths()
     was_root = os.geteuid() == 0
-    applied = []
-    if "netns" in wanted and _LIBC.unshare(ctypes.c_int(0x10000000 | 0x40000000)) == 0:  # NEWUSER|NEWNET
-        applied.append("netns")
+    source = _read_program()  # before a tmpfs mounted on the working directory hides main.py
+    applied = _enter_namespaces(wanted, workdir, spec["disk_mb"])
     _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG; after unshare, which clears it
     if os.getppid() != spec["parent_pid"]:
         os._exit(137)  # the caller died before we could notice it
@@ -52,16 +56,72 @@ def _child_main(spec_json: str) -> None:
     applied += _apply_landlock(wanted, workdir, read_dirs, read_files)
     if "rlimits" in wanted:
         limit_tasks = "netns" in applied and not was_root
-        _apply_rlimits(spec["timeout_s"], spec["memory_mb"], limit_tasks)
+        _apply_rlimits(spec["timeout_s"], spec["memory_mb"], spec["disk_mb"], limit_tasks)
         applied.append("rlimits")
     if "seccomp" in wanted and _apply_seccomp():
         applied.append("seccomp")
-    program = _compile_program()
+    program = _compile_program(source)
     if "audit_hook" in wanted:
         _install_audit_hook(workdir, read_dirs, read_files)
         applied.append("audit_hook")
+    _report_layers(status_fd, applied)
+    if program is None:
+        sys.exit(1)  # a syntax error, already printed
+    _run_program(program)
+
+
+def _report_layers(status_fd: int, applied: list[str]) -> None:
+    """Send the one status line, wait for the caller's go, close the socket. The caller closes its
+    end before the go, so once the program runs no descriptor, here or in /proc, reaches the channel:
+    the program cannot add to or change what the caller learns from it."""
     os.write(status_fd, ("layers " + ",".join(applied) + "\n").encode())
-    _run_program(program, status_fd)
+    go = os.read(status_fd, 1)
+    os.close(status_fd)
+    if go != b"1":
+        os._exit(137)  # the caller gave up (its timeout) or died
+
+
+def _read_program() -> str:
+    with open("main.py", encoding="utf-8") as file:
+        return file.read()
+
+
+def _enter_namespaces(wanted: set[str], workdir: str, disk_mb: int) -> list[str]:
+    """netns: a new user + network namespace. tmpfs: also a mount namespace whose working directory is
+    a private tmpfs of disk_mb (the kernel refuses writes past it: ENOSPC) and MAX_FILES inodes."""
+    if not wanted & {"netns", "tmpfs"}:
+        return []
+    uid, gid = os.geteuid(), os.getegid()
+    flags = _NEWUSER | ("netns" in wanted) * _NEWNET | ("tmpfs" in wanted) * _NEWNS
+    if _LIBC.unshare(ctypes.c_int(flags)) != 0:
+        return []
+    applied = ["netns"] if "netns" in wanted else []
+    if "tmpfs" in wanted:
+        if _mount_scratch(workdir, disk_mb, uid, gid):
+            applied.append("tmpfs")
+        # The uid map the tmpfs needed would let capabilities in this namespace act on the caller's
+        # files (root's, for a root caller). A nested, unmapped user namespace takes that back: as
+        # without the tmpfs, the program is "nobody" with capabilities over nothing outside.
+        if _LIBC.unshare(ctypes.c_int(_NEWUSER)) != 0 and not _drop_capabilities():
+            os._exit(137)
+    return applied
+
+
+def _mount_scratch(workdir: str, disk_mb: int, uid: int, gid: int) -> bool:
+    try:  # a tmpfs creates files only for a uid mapped in the namespace that mounted it
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as file:
+                file.write(text)
+    except OSError:
+        return False
+    if _LIBC.mount(b"none", b"/", None, ctypes.c_ulong(_MS_REC | _MS_PRIVATE), None) != 0:
+        return False  # nothing mounted here may reach the caller's namespace
+    options = f"size={disk_mb * 1024 * 1024},nr_inodes={MAX_FILES},mode=0700".encode()
+    if _LIBC.mount(b"tmpfs", workdir.encode(), b"tmpfs", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC),
+                   options) != 0:
+        return False
+    os.chdir(workdir)  # the old working directory is the one beneath the mount
+    return True
 
 
 def _interpreter_read_paths() -> tuple[list[str], list[str]]:
@@ -137,11 +197,12 @@ def _add_landlock_rule(add_rule_syscall: int, ruleset: int, path: str, access: i
         os.close(fd)
 
 
-def _apply_rlimits(timeout_s: float, memory_mb: int, limit_tasks: bool) -> None:
+def _apply_rlimits(timeout_s: float, memory_mb: int, disk_mb: int, limit_tasks: bool) -> None:
     import resource
 
     cpu_s = math.ceil(timeout_s) + 1
-    limits = {resource.RLIMIT_CPU: (cpu_s, cpu_s + 1), resource.RLIMIT_FSIZE: (MAX_FILE_BYTES,) * 2,
+    file_bytes = min(MAX_FILE_BYTES, disk_mb * 1024 * 1024)
+    limits = {resource.RLIMIT_CPU: (cpu_s, cpu_s + 1), resource.RLIMIT_FSIZE: (file_bytes,) * 2,
               resource.RLIMIT_NOFILE: (MAX_OPEN_FILES,) * 2, resource.RLIMIT_CORE: (0, 0),
               resource.RLIMIT_AS: (memory_mb * 1024 * 1024,) * 2}
     if limit_tasks:
@@ -203,16 +264,15 @@ def _allow_if_first_argument(number: int, values: tuple[int, ...], mask: int | N
     return [(_JUMP_IF_EQUAL, 0, len(body), number), *body]
 
 
-def _compile_program():
-    with open("main.py", encoding="utf-8") as file:
-        source = file.read()
+def _compile_program(source: str):
+    """The code object, or None after printing the syntax error."""
     try:
         return compile(source, "main.py", "exec")
     except (SyntaxError, ValueError) as exc:
         import traceback
 
         traceback.print_exception(type(exc), exc, None)
-        sys.exit(1)
+        return None
 
 
 _DENIED_EVENT_PREFIXES = (
@@ -263,7 +323,7 @@ def _install_audit_hook(workdir: str, read_dirs: list[str], read_files: list[str
     sys.addaudithook(hook)
 
 
-def _run_program(program, status_fd: int) -> None:
+def _run_program(program) -> None:
     import builtins
     import traceback  # now: after a MemoryError there may be no memory left to import it
     import types
@@ -276,8 +336,8 @@ def _run_program(program, status_fd: int) -> None:
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - report whatever the program raised, like python does
-        if isinstance(exc, MemoryError):
-            os.write(status_fd, b"memory\n")
+        out_of_memory = isinstance(exc, MemoryError)
+        if out_of_memory:
             main.__dict__.clear()  # free what the program holds so the traceback can be printed
         try:
             report = traceback.TracebackException(type(exc), exc, exc.__traceback__.tb_next)  # skip this frame
@@ -285,7 +345,7 @@ def _run_program(program, status_fd: int) -> None:
             sys.stderr.writelines(report.format())
         except MemoryError:
             os.write(2, b"MemoryError\n")
-        sys.exit(1)
+        sys.exit(MEMORY_EXIT_CODE if out_of_memory else 1)
 
 
 def _hide_bootstrap_frames(report, stack_summary, seen: set) -> None:
