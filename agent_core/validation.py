@@ -29,6 +29,7 @@ from agent_core.envs.formats import FORMATS
 from agent_core.envs.registry import ENVS, check_env_spec, check_tool_entries
 from agent_core.io.checkpoints import CheckpointError, check_checkpoint, policy_source_dir
 from agent_core.io.config_files import config_source, read_config
+from agent_core.io.query import QueryError, check_episode_selection
 from agent_core.registry import Registry, UnknownNameError
 from agent_core.rewards.scorers import SCORERS
 from agent_core.rollout.engines import ENGINES
@@ -64,10 +65,22 @@ def check_names(config: PipelineConfig, source: str = "config", overrides: Seque
         *_unknown("trainer.loss_agg_mode", LOSS_AGG_MODES, config.trainer.loss_agg_mode),
         *_unknown("trainer.policy_loss", POLICY_LOSSES, config.trainer.policy_loss),
         *oracle_config_problems(config),  # the warm start's oracle fits the data and the env's tools
+        *_select_sql_problems(config.warm_start.select_sql),
     ]
     if problems:
         raise config_error(problems, source, overrides)
     return config
+
+
+def _select_sql_problems(sql: str | None) -> list[Problem]:
+    """User SQL is refused here, before any run starts, unless it is one SELECT that reads only its views."""
+    if sql is None:
+        return []
+    try:
+        check_episode_selection(sql)
+    except QueryError as error:
+        return [Problem("warm_start.select_sql", str(error))]
+    return []
 
 
 def _unknown(key: str, registry: Registry, name: str) -> list[Problem]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 import schemas
 from agent_core.io.layout import RUN_TABLES
-from agent_core.io.query import QueryError, format_table, open_catalog, run_query, write_result
+from agent_core.io.query import QueryError, format_table, open_catalog, run_query, select_episode_ids, write_result
 
 
 @dataclass(frozen=True)
@@ -103,20 +104,16 @@ def test_run_id_and_iteration_keep_the_table_own_types(data_root: Path):
 
 
 def test_tables_without_files_are_empty_views_with_schema_columns(data_root: Path, table_schemas):
-    con = open_catalog(data_root)
-    try:
-        views = {name for (name,) in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()}
-        assert set(RUN_TABLES) <= views
+    with open_catalog(data_root) as catalog:
+        assert set(RUN_TABLES) <= set(catalog.views())
         for name in ("rewards", "advantages", "prompts"):
-            result = con.sql(f"SELECT * FROM {name}").to_arrow_table()
+            result = catalog.select(f"SELECT * FROM {name}")
             expected = table_schemas[name]
             assert result.num_rows == 0
             assert result.column_names == expected.names
             assert result.schema.field("iteration").type == expected.field("iteration").type
-        joined = con.sql("SELECT count(*) FROM steps JOIN rewards USING (run_id, iteration)").fetchall()
-        assert joined == [(0,)]
-    finally:
-        con.close()
+        joined = catalog.select("SELECT count(*) AS n FROM steps JOIN rewards USING (run_id, iteration)")
+        assert joined.to_pylist() == [{"n": 0}]
 
 
 def test_dataset_tables_are_views_too(data_root: Path, table_schemas):
@@ -141,6 +138,7 @@ def test_sql_errors_carry_duckdb_message_and_the_views(data_root: Path):
     for name in (*RUN_TABLES, "dataset_prompts"):
         assert name in caught.value.views and name in message
     assert isinstance(caught.value, ValueError)
+    assert "\n" not in message and "LINE 1" not in message  # one line, without DuckDB's caret under the query
 
 
 def test_format_table_aligns_columns_and_counts_rows():
@@ -178,3 +176,61 @@ def test_write_result_csv_and_parquet_round_trip(data_root: Path, tmp_path: Path
 def test_write_result_refuses_unknown_suffix(tmp_path: Path):
     with pytest.raises(ValueError, match=r"result\.json.*'\.json'.*\.csv, \.parquet"):
         write_result(pa.table({"a": [1]}), tmp_path / "result.json")
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if how == "truncated" else b"not parquet at all " * 20)
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_a_damaged_table_file_is_named_with_its_view_and_other_views_still_answer(data_root: Path, how: str):
+    bad = data_root / "runs" / "r2" / "iteration=1" / "steps.parquet"
+    _damage(bad, how)
+    for sql in ("SELECT count(*) FROM steps", "SELECT episode_id FROM steps WHERE step_idx = 1 LIMIT 0",
+                "SELECT * FROM query_table('steps')"):
+        with pytest.raises(QueryError) as caught:
+            run_query(data_root, sql)
+        message = str(caught.value)
+        # the real file, not the snapshot's hard link the view read
+        assert message.startswith("view steps: ") and f"'{bad}'" in message, message
+        assert ".query-" not in message and "\n" not in message
+    assert run_query(data_root, "SELECT count(*) AS n FROM train_metrics").to_pylist() == [{"n": 1}]
+    prompts = run_query(data_root, "SELECT prompt_id FROM dataset_prompts ORDER BY 1")
+    assert prompts.column("prompt_id").to_pylist() == ["p0", "p1"]
+    assert not list(data_root.glob(".query-*"))  # the snapshot folder went with the query
+
+
+def test_a_file_damaged_after_the_catalog_opened_is_named_too(data_root: Path, tmp_path: Path):
+    bad = data_root / "runs" / "r1" / "iteration=1" / "steps.parquet"
+    snapshot = data_root / ".query-test"
+    with open_catalog(data_root, snapshot) as catalog:
+        assert catalog.select("SELECT count(*) AS n FROM steps").to_pylist() == [{"n": 10}]
+        with open(bad, "r+b") as handle:  # in place: the snapshot's hard link sees it too
+            handle.truncate(bad.stat().st_size // 2)
+        with pytest.raises(QueryError, match=r"^view steps: .*" + re.escape(f"'{bad}'")) as caught:
+            catalog.select("SELECT count(*) AS n FROM steps")
+        assert str(snapshot) not in str(caught.value)
+        assert catalog.select("SELECT count(*) AS n FROM train_metrics").to_pylist() == [{"n": 1}]
+
+
+def test_a_damaged_file_is_named_without_a_snapshot_too(data_root: Path):
+    bad = data_root / "runs" / "r1" / "iteration=0" / "train_metrics.parquet"
+    _damage(bad, "garbage")
+    with open_catalog(data_root) as catalog:  # a read-only data root: the views read the files themselves
+        with pytest.raises(QueryError, match=r"^view train_metrics: .*" + re.escape(f"'{bad}'")):
+            catalog.select("SELECT * FROM train_metrics")
+        assert catalog.select("SELECT count(*) AS n FROM steps").to_pylist() == [{"n": 10}]
+
+
+def test_select_episode_ids_names_a_damaged_table(tmp_path: Path):
+    steps, rewards = tmp_path / "steps.parquet", tmp_path / "rewards.parquet"
+    pq.write_table(_steps("r1", 0, 2), steps)
+    pq.write_table(pa.table({"episode_id": ["r1-e0"], "em": [1.0]}), rewards)
+    tables = {"steps": str(steps), "rewards": str(rewards)}
+    assert select_episode_ids("SELECT episode_id FROM rewards WHERE em = 1", tables) == ["r1-e0"]
+    assert select_episode_ids("SELECT episode_id FROM steps ORDER BY 1", tables) == ["r1-e0", "r1-e1"]
+    _damage(rewards, "truncated")
+    with pytest.raises(QueryError, match=r"^view rewards: .*" + re.escape(f"'{rewards}'")):
+        select_episode_ids("SELECT episode_id FROM rewards WHERE em = 1", tables)
+    assert select_episode_ids("SELECT episode_id FROM steps ORDER BY 1", tables) == ["r1-e0", "r1-e1"]

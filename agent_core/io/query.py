@@ -1,6 +1,8 @@
 """SQL over every table of a data root, with DuckDB (docs/architecture.md §1, §5).
 
-`open_catalog` gives an in-memory DuckDB connection with one view per table:
+`open_catalog` gives a read-only in-memory DuckDB catalog with one view per table
+(`agent_core.io.readonly_sql`: every user's SQL runs there, one SELECT that can read only these
+tables' files):
 - run tables (`prompts`, `steps`, `rewards`, `advantages`, `train_metrics`, and any other table
   found under `runs/*/iteration=*/`) over `<root>/runs/<run_id>/iteration=<k>/<table>.parquet`,
   all runs and iterations at once;
@@ -29,10 +31,8 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
-import duckdb
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
@@ -40,19 +40,16 @@ import pyarrow.parquet as pq
 import schemas
 from agent_core.io.atomic import atomic_file
 from agent_core.io.layout import DATASET_TABLES, RUN_TABLES
+from agent_core.io.readonly_sql import QueryError, ReadOnlyCatalog, TableFile, check_select
+
+__all__ = ["QueryError", "RESULT_SUFFIXES", "TABLE_FOLDERS", "check_episode_selection", "check_result_path",
+           "check_select", "dataset_table_files", "eval_table_files", "format_table", "has_tables", "open_catalog",
+           "run_query", "run_table_files", "select_episode_ids", "write_result"]
 
 _ITERATION_DIR = re.compile(r"^iteration=\d+$")
 _VIEW_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DATASET_FILE = {"dataset_prompts": "prompts.parquet", "corpus": "corpus.parquet"}
 RESULT_SUFFIXES = (".csv", ".parquet")
-
-
-class QueryError(ValueError):
-    """A query DuckDB rejected; the message carries DuckDB's message and the available views."""
-
-    def __init__(self, message: str, views: Sequence[str]):
-        self.views = list(views)
-        super().__init__(f"{message}\navailable views: {', '.join(self.views) or '(none)'}")
 
 
 def _visible(path: Path, root: Path) -> bool:
@@ -91,47 +88,28 @@ def eval_table_files(data_root: Path) -> dict[str, list[Path]]:
     return {"eval": [path for path in paths if path.is_file() and _visible(path, data_root)]}
 
 
-def _sql_string(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
+def _schemas() -> dict[str, pa.Schema]:
+    return {name: spec.arrow_schema for name, spec in getattr(schemas, "TABLES", {}).items()}
 
 
-def _schema_of(table: str) -> pa.Schema | None:
-    spec = getattr(schemas, "TABLES", {}).get(table)
-    return None if spec is None else spec.arrow_schema
-
-
-def _create_view(con: duckdb.DuckDBPyConnection, name: str, files: list[Path]) -> None:
-    """Create view `name` over `files`, or an empty one from its schema; none if neither exists."""
-    if files:
-        paths = ", ".join(_sql_string(str(path)) for path in files)
-        con.execute(
-            f'CREATE VIEW "{name}" AS SELECT * FROM read_parquet([{paths}], '
-            "hive_partitioning = false, union_by_name = true)"
-        )
-        return
-    schema = _schema_of(name)
-    if schema is not None:
-        # A registered Arrow table acts as a view; the connection keeps the (empty) table alive.
-        con.register(name, schema.empty_table())
-
-
-def open_catalog(data_root: Path, snapshot_dir: Path | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with one view per table of `data_root` (see module doc).
+def open_catalog(data_root: Path, snapshot_dir: Path | None = None) -> ReadOnlyCatalog:
+    """A read-only catalog (`ReadOnlyCatalog`: DuckDB in memory, one view per table of `data_root`,
+    nothing else readable; see module doc).
 
     The file lists are taken now: open a new catalog to see tables written later. With
     `snapshot_dir` (an empty folder on the data root's filesystem), the views read hard links made
     there now instead of the tables' paths: a writer replacing a table (a resumed or rerun stage)
     renames a new file over the path, which DuckDB, opening a file more than once per query, would
     otherwise mix with the old one ("Invalid data"); a link keeps the old file whole until it goes.
+    Errors still name the tables' own paths.
     """
-    con = duckdb.connect(":memory:")
     tables = {**run_table_files(data_root), **dataset_table_files(data_root), **eval_table_files(data_root)}
-    for name, files in tables.items():
-        _create_view(con, name, _linked(files, snapshot_dir / name) if snapshot_dir else files)
-    return con
+    views = {name: _linked(files, snapshot_dir / name) if snapshot_dir else [TableFile(p, p) for p in files]
+             for name, files in tables.items()}
+    return ReadOnlyCatalog(views, _schemas())
 
 
-def _linked(files: list[Path], folder: Path) -> list[Path]:
+def _linked(files: list[Path], folder: Path) -> list[TableFile]:
     """Hard links to `files` in `folder`; the original paths where linking is refused (e.g. another
     filesystem), which only loses the isolation, not the query."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -140,9 +118,9 @@ def _linked(files: list[Path], folder: Path) -> list[Path]:
         link = folder / f"{i}.parquet"
         try:
             os.link(path, link)
-            linked.append(link)
+            linked.append(TableFile(link, path))
         except OSError:
-            linked.append(path)
+            linked.append(TableFile(path, path))
     return linked
 
 
@@ -152,27 +130,17 @@ def has_tables(data_root: Path) -> bool:
                                    *eval_table_files(data_root).values()))
 
 
-def catalog_views(con: duckdb.DuckDBPyConnection) -> list[str]:
-    """Names of the user views on `con` (registered Arrow tables included), sorted."""
-    rows = con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal ORDER BY view_name").fetchall()
-    return [name for (name,) in rows]
-
-
 def run_query(data_root: Path, sql: str) -> pa.Table:
-    """Run `sql` over the catalog of `data_root` and return the result as an Arrow table.
+    """Run a user's `sql`, one SELECT, over the catalog of `data_root`; the result as an Arrow table.
 
-    A statement with no result (e.g. `SET ...`) returns an empty table with no columns.
+    Anything else (COPY, ATTACH, SET, several statements, ...) is refused before it runs, and a
+    SELECT can read only the tables' files (`agent_core.io.readonly_sql`): QueryError, one line.
     """
+    check_select(sql)  # refused before a snapshot folder is made
     snapshot_dir = _snapshot_folder(Path(data_root))
     try:
-        con = open_catalog(data_root, snapshot_dir)
-        try:
-            relation = con.sql(sql)
-            return pa.table({}) if relation is None else relation.to_arrow_table()
-        except duckdb.Error as error:
-            raise QueryError(str(error), catalog_views(con)) from None
-        finally:
-            con.close()
+        with open_catalog(data_root, snapshot_dir) as catalog:
+            return catalog.select(sql)
     finally:
         if snapshot_dir is not None:
             shutil.rmtree(snapshot_dir, ignore_errors=True)
@@ -187,25 +155,30 @@ def _snapshot_folder(data_root: Path) -> Path | None:
         return None
 
 
+SELECTION_VIEWS = ("steps", "rewards")
+
+
 def select_episode_ids(sql: str, tables: dict[str, str]) -> list[str]:
     """Episode ids chosen by `sql` over views named after `tables` (name -> Parquet file), e.g.
     `select episode_id from rewards where em = 1` over {"steps": ..., "rewards": ...}.
 
-    The query must return an `episode_id` column; QueryError otherwise, or on a SQL error.
+    The query must be one SELECT returning an `episode_id` column (read-only, as `run_query`);
+    QueryError otherwise, or on a SQL error.
     """
-    con = duckdb.connect(":memory:")
-    try:
-        for name, uri in tables.items():
-            _create_view(con, name, [Path(uri)])
-        try:
-            result = con.sql(sql)
-        except duckdb.Error as error:
-            raise QueryError(str(error), catalog_views(con)) from None
-        if result is None or "episode_id" not in result.columns:
-            raise QueryError(f"the selection must return an episode_id column: {sql}", catalog_views(con))
-        return [str(v) for v in dict.fromkeys(result.to_arrow_table().column("episode_id").to_pylist()) if v is not None]
-    finally:
-        con.close()
+    views = {name: [TableFile(Path(uri), Path(uri))] for name, uri in tables.items()}
+    with ReadOnlyCatalog(views, _schemas()) as catalog:
+        result = catalog.select(sql, columns=["episode_id"])
+    return [str(v) for v in dict.fromkeys(result.column("episode_id").to_pylist()) if v is not None]
+
+
+def check_episode_selection(sql: str) -> None:
+    """Refuse, before any run starts, a selection `select_episode_ids` would refuse: not a single
+    SELECT, reading a file that is not one of its views (DuckDB refuses at bind), a column or view
+    that does not exist, no episode_id column. Bound against empty `steps` and `rewards` views of
+    their schemas, so nothing is read; QueryError, one line."""
+    views = {name: schema for name, schema in _schemas().items() if name in SELECTION_VIEWS}
+    with ReadOnlyCatalog({name: [] for name in SELECTION_VIEWS}, views) as catalog:
+        catalog.relation(sql, columns=["episode_id"])
 
 
 # ---- presenting results ------------------------------------------------------------------------
@@ -262,13 +235,35 @@ def _nested_to_json(table: pa.Table) -> pa.Table:
     return table
 
 
+TABLE_FOLDERS = ("runs", "datasets", "evals")
+
+
+def check_result_path(path: Path, data_root: Path) -> None:
+    """Refuse, before a query runs, a result path `write_result` cannot or must not write: an unknown
+    suffix, or a place among the tables a query reads (it would replace a table, or become one)."""
+    path = Path(path)
+    _check_suffix(path)
+    target = path.resolve()
+    for folder in TABLE_FOLDERS:
+        tables = (Path(data_root) / folder).resolve()
+        if target.is_relative_to(tables):
+            raise ValueError(f"refusing to write a result to {path}: it is inside {tables}, among the tables queries "
+                             "read; write it outside the data root's runs/, datasets/ and evals/")
+
+
+def _check_suffix(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in RESULT_SUFFIXES:
+        raise ValueError(f"cannot write a result to {path}: unknown suffix {path.suffix!r}; "
+                         f"valid: {', '.join(RESULT_SUFFIXES)}")
+    return suffix
+
+
 def write_result(table: pa.Table, path: Path) -> None:
     """Write a query result to `path` as CSV or Parquet, chosen by suffix; atomically (`atomic_file`),
     so a reader never sees half a file."""
     path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in RESULT_SUFFIXES:
-        raise ValueError(f"cannot write a result to {path}: unknown suffix {path.suffix!r}; valid: {', '.join(RESULT_SUFFIXES)}")
+    suffix = _check_suffix(path)
     with atomic_file(path, "wb") as sink:
         if suffix == ".csv":
             pa_csv.write_csv(_nested_to_json(table), sink)

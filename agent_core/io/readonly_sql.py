@@ -1,0 +1,190 @@
+"""Read-only SQL: the one way SQL written by a user reaches DuckDB (`agentr1 query`,
+`warm_start.select_sql`, and any later user-written check).
+
+A user's SQL is an injection path: a pasted `COPY (...) TO '<a run's table>'` overwrote a table,
+`COPY ... (PARTITION_BY ..., OVERWRITE)` deleted files, `ATTACH` created one, `read_text('/etc/...')`
+answered and `INSTALL httpfs` reached the network. Two locks, each enough for most of these:
+
+1. By statement type, before anything runs (`check_select`): exactly one statement, a SELECT
+   (`WITH ... SELECT`, `FROM t`, `VALUES`, `DESCRIBE`, `SUMMARIZE` parse as SELECT too). COPY,
+   EXPORT, ATTACH, INSTALL/LOAD, SET/RESET, PRAGMA, CALL, CREATE, ... are refused unrun.
+2. By DuckDB itself, for what a SELECT can still reach (table functions such as `read_text`,
+   `read_csv`, `glob`, `read_parquet` of any path): the connection (`ReadOnlyCatalog`) lists the
+   view files in `allowed_paths`, then turns external access off (every other file, directory and
+   URL is refused), extension installs and loads off, Python replacement scans off (a query cannot
+   read the caller's variables), and locks the configuration (`RESET`/`SET` refused from then on).
+   DuckDB lets a connection write the paths it may read (`COPY ... TO '<view file>'
+   (USE_TMP_FILE false)` would pass this lock), so the statement check is what stops writes: user
+   SQL goes through `ReadOnlyCatalog.select`/`relation` only, never to the connection itself.
+
+Results are written by our code (`agentr1 query --output`), never by DuckDB.
+
+Errors are one line (`QueryError`). A table file DuckDB cannot read (truncated, garbage) is named
+by its real path, with its view, even when the view reads a snapshot hard link of it: the view
+over a damaged file is still created (it re-reads its files at each query, see
+`_create_deferred_view`), so only the queries that touch it fail and the other views answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+_LINE_MARK = re.compile(r"\n\s*LINE \d+:.*", re.DOTALL)  # DuckDB's caret under the query: noise on one line
+
+
+_ONLY_SELECT = ("only a single SELECT (or WITH ... SELECT) runs here, and it only reads the tables "
+                "(`agentr1 query --output FILE` writes a result)")
+_READS_ONLY_VIEWS = "a query reads only the data root's tables, through the views"
+
+
+class QueryError(ValueError):
+    """SQL that was refused or failed; one line: what, where, and the views a query can read."""
+
+    def __init__(self, message: str, views: Sequence[str] | None = None):
+        self.views = list(views or [])
+        told = "" if views is None else f"; available views: {', '.join(self.views) or '(none)'}"
+        super().__init__(f"{one_line(message)}{told}")
+
+
+def one_line(text: object) -> str:
+    """DuckDB's message on one line: the `LINE 1: ... ^` pointer dropped, whitespace runs collapsed."""
+    return " ".join(_LINE_MARK.sub("", str(text)).split())
+
+
+def check_select(sql: str) -> duckdb.Statement:
+    """The one statement of `sql` if it is a SELECT; else QueryError (nothing has run)."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as error:
+        raise QueryError(f"cannot parse the SQL: {error}") from None
+    if len(statements) != 1:
+        raise QueryError(f"expected one SQL statement, got {len(statements)}: {_ONLY_SELECT}")
+    statement = statements[0]
+    if statement.type != duckdb.StatementType.SELECT:
+        raise QueryError(f"refused a statement of type {statement.type.name}: {_ONLY_SELECT}")
+    return statement
+
+
+@dataclass(frozen=True)
+class TableFile:
+    """A Parquet file a view reads: `read` is the path DuckDB opens (a snapshot hard link, or the
+    file itself), `real` the table file it stands for, the one an error names."""
+
+    read: Path
+    real: Path
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+class ReadOnlyCatalog:
+    """An in-memory DuckDB connection with one view per table, that can read only those views' files.
+
+    `tables`: view name -> its files; a name with no file is an empty view of `schemas[name]`
+    (no view where there is no schema either). Use `select` to run a user's SQL.
+    """
+
+    def __init__(self, tables: Mapping[str, Sequence[TableFile]], schemas: Mapping[str, pa.Schema] | None = None):
+        schemas = schemas or {}
+        self._files = {str(f.read): (f.real, name) for name, files in tables.items() for f in files}
+        self._con = duckdb.connect(":memory:")
+        try:
+            con = self._con
+            con.execute(f"SET allowed_paths = [{', '.join(_sql_string(path) for path in self._files)}]")
+            for setting in ("enable_external_access", "autoinstall_known_extensions", "autoload_known_extensions",
+                            "python_enable_replacements"):
+                con.execute(f"SET {setting} = false")
+            for name, files in tables.items():
+                _create_view(con, name, [str(f.read) for f in files], schemas.get(name))
+            con.execute("SET lock_configuration = true")
+        except BaseException:
+            self._con.close()
+            raise
+
+    def __enter__(self) -> "ReadOnlyCatalog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._con.close()
+
+    def views(self) -> list[str]:
+        """Names of the views a query can read (registered empty tables included), sorted."""
+        rows = self._con.execute(
+            "SELECT view_name FROM duckdb_views() WHERE NOT internal ORDER BY view_name").fetchall()
+        return [name for (name,) in rows]
+
+    def relation(self, sql: str, columns: Sequence[str] = ()) -> duckdb.DuckDBPyRelation:
+        """`sql` checked (`check_select`) and bound, not run: QueryError unless it returns `columns`."""
+        statement = check_select(sql)
+        try:
+            relation = self._con.sql(statement)
+        except duckdb.Error as error:
+            raise self.error(error) from None
+        missing = [name for name in columns if name not in relation.columns]
+        if missing:
+            raise QueryError(f"the query must return a column named {', '.join(missing)}: {sql}", self.views())
+        return relation
+
+    def select(self, sql: str, columns: Sequence[str] = ()) -> pa.Table:
+        """Run a user's `sql` (one SELECT, returning `columns`); its result, or QueryError in one line."""
+        relation = self.relation(sql, columns)
+        try:
+            return relation.to_arrow_table()
+        except duckdb.Error as error:
+            raise self.error(error) from None
+
+    def error(self, error: Exception) -> QueryError:
+        """`error` as a QueryError: snapshot link paths replaced by the table files they stand for,
+        and the views of the files it names, so a damaged file is named where it really is."""
+        message, views = str(error), []
+        for read, (real, view) in self._files.items():
+            if read in message:
+                message = message.replace(read, str(real))
+                views.append(view)
+            elif str(real) in message:
+                views.append(view)
+        if views:
+            names = ", ".join(dict.fromkeys(views))
+            message = (f"view {names}: {one_line(message)} (a damaged or unreadable table file; "
+                       "queries over other views still answer)")
+        elif isinstance(error, duckdb.PermissionException):
+            message = f"{one_line(message)} ({_READS_ONLY_VIEWS})"
+        return QueryError(message, self.views())
+
+
+def _create_view(con: duckdb.DuckDBPyConnection, name: str, files: list[str], schema: pa.Schema | None) -> None:
+    """Create view `name` over `files`, or an empty one from `schema`; none if neither exists."""
+    if not files:
+        if schema is not None:
+            # A registered Arrow table acts as a view; the connection keeps the (empty) table alive.
+            con.register(name, schema.empty_table())
+        return
+    paths = ", ".join(_sql_string(path) for path in files)
+    source = f"SELECT * FROM read_parquet([{paths}], hive_partitioning = false, union_by_name = true)"
+    try:
+        con.execute(f'CREATE VIEW "{name}" AS {source}')
+    except duckdb.Error:
+        _create_deferred_view(con, name, source)
+
+
+def _create_deferred_view(con: duckdb.DuckDBPyConnection, name: str, source: str) -> None:
+    """View `name` over `source` that DuckDB could not read now (a damaged file): CREATE VIEW reads
+    every file's footer and would fail, taking every later view and query with it. `query()` binds
+    its SQL text at each use and the text sits in a variable, so the view is created over a
+    placeholder and then pointed at `source`: each query that touches it fails with DuckDB's own
+    message naming the file; the other views answer. (A user's SQL cannot SET VARIABLE: it is not
+    a SELECT.)"""
+    variable = f"agentr1_view_{name}"
+    con.execute(f"SET VARIABLE {variable} = 'SELECT NULL AS unreadable'")
+    con.execute(f'CREATE VIEW "{name}" AS FROM query(getvariable({_sql_string(variable)}))')
+    con.execute(f"SET VARIABLE {variable} = {_sql_string(source)}")
