@@ -84,10 +84,14 @@ class PolicyConfig(_Section):
     text (seconds), then pretrained to copy (`pretrain_steps`: ~90 s on 2 cores at the default size).
     path: any local transformers checkpoint directory. smollm2: the
     SmolLM2-135M-Instruct directory made by `make smollm2` (or `path` if given).
+    A `path` with source tiny is refused at load, not ignored: a path never switches the source.
     """
 
     source: Literal["tiny", "path", "smollm2"] = "tiny"
-    path: str | None = None
+    path: str | None = Field(
+        None, description="the checkpoint folder of source path (or smollm2); refused with source tiny, which "
+        "builds its model from scratch: set policy.source=path too"
+    )
     vocab_size: int = Field(1024, ge=300)
     hidden_size: int = Field(128, ge=8)
     num_layers: int = Field(4, ge=1)
@@ -99,6 +103,17 @@ class PolicyConfig(_Section):
         "start, the copying skill a pretrained model brings (agent_core/training/pretrain.py); 0 = none"
     )
     pretrain_lr: float = Field(1e-3, gt=0, description="tiny: learning rate of the induction pretraining")
+
+    @model_validator(mode="after")
+    def _path_needs_its_source(self) -> "PolicyConfig":
+        # Refused rather than implied: an implied source would depend on whether some layer (a shipped
+        # config says `source: tiny`) spelled the default out, and a silently ignored path trains the
+        # wrong model for minutes before anyone notices.
+        if self.source == "tiny" and self.path:
+            raise ValueError(f"policy.path={self.path} is set but policy.source is 'tiny', which builds a model from "
+                             "scratch and would ignore it: set policy.source=path to start from that checkpoint "
+                             "(smollm2 for a converted SmolLM2 folder), or remove policy.path")
+        return self
 
 
 class VLLMConfig(_Section):

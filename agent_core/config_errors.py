@@ -28,12 +28,32 @@ class Problem:
     message: str
 
 
+class Override(str):
+    """A `key=value` override that remembers how an error should name it: who typed it and how
+    (`--data-root /x`, `deployment parameter overrides: seed=abc`). It is the plain string everywhere
+    else; a plain string is a `--set`."""
+
+    blame: str
+
+    def __new__(cls, item: str, blame: str) -> "Override":
+        override = super().__new__(cls, item)
+        override.blame = blame
+        return override
+
+
+def deployment_overrides(items: Sequence[str], parameter: str = "overrides") -> list[Override]:
+    """`items`, given to a deployment's flow as its `parameter`, blamed as such (a worker's log says
+    which parameter of the deployment run to fix; there is no --set to blame)."""
+    return [Override(item, f"deployment parameter {parameter}: {item}") for item in items]
+
+
 def value_origin(key: str, source: str, overrides: Sequence[str] = ()) -> str:
-    """Which layer set `key`: the last `--set` naming it (or a section above or below it), else `source`."""
+    """Which layer set `key`: the last override naming it (or a section above or below it), as its
+    `blame` (`--set <item>` for a plain string), else `source`."""
     for item in reversed(overrides):
         set_key = item.partition("=")[0].strip()
         if set_key and (key == set_key or key.startswith(f"{set_key}.") or set_key.startswith(f"{key}.")):
-            return f"--set {item}"
+            return getattr(item, "blame", f"--set {item}")
     return source
 
 

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
 
-from agent_core.io.locks import RunInUseError
+from agent_core.config_errors import Override
+from agent_core.io.locks import RunInUseError, check_run_free
 from flows.configs_lookup import recorded_config, resolve_config, shipped_configs
 from flows.environment import configure_environment, start_temporary_server
 
 DEFAULT_DATA_ROOT = "data"
+INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
 
 
 def _version() -> str:
@@ -113,7 +116,7 @@ def _train(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     if args.data_root:
-        overrides.append(f"data_root={args.data_root}")
+        overrides.append(Override(f"data_root={args.data_root}", f"--data-root {args.data_root}"))
     run_id = args.run_id or new_run_id(args.command)
     configs = [resolve_config(name) for name in args.configs]
     config = load_config(configs, [*overrides, f"run_id={run_id}"], runnable=True)
@@ -136,12 +139,17 @@ def _resume(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, f"data_root={data_root}", f"run_id={args.run_id}"]
     config = check_runnable(load_config(run.config_path, overrides), str(run.config_path), overrides,
                             policy_source=not run.initial_policy_dir.exists())
+    check_run_free(run.lock_path, args.run_id)  # before it says it resumes (_run_training checks it again)
     print(f"agentr1: resuming run {args.run_id}: stages whose manifests match are skipped", flush=True)
     return _run_training(config)
 
 
 def _run_training(config) -> int:
+    from agent_core.io.layout import DataRoot
+
     run_id = config.run_id
+    # a second writer is told now, not after the Prefect server started (run_lock still decides)
+    check_run_free(DataRoot(Path(config.data_root)).run(run_id).lock_path, run_id)
     configure_environment(config.data_root)
     print(f"agentr1: run {run_id}: {config.iterations} iterations of "
           f"{config.data.prompts_per_iteration} prompts x {config.rollout.group_size} samples "
@@ -149,11 +157,28 @@ def _run_training(config) -> int:
           flush=True)
     from flows.train import train  # imported after the environment is set: prefect reads it at import
 
-    start_temporary_server()  # dies with this process, even a SIGKILLed one
     started = time.perf_counter()
-    result = train(config)
+    try:
+        start_temporary_server()  # dies with this process, even a SIGKILLed one
+        result = train(config)
+    except KeyboardInterrupt:  # Ctrl-C: what to type next, not Python's traceback through Prefect
+        print(_interrupted(config, time.perf_counter() - started), file=sys.stderr, flush=True)
+        return INTERRUPTED
     _print_result(result, config.data_root, time.perf_counter() - started)
     return 0
+
+
+def _interrupted(config, seconds: float) -> str:
+    """The one line a Ctrl-C during a run prints: the resume command, or (stopped before the run
+    recorded its config) that there is nothing to resume."""
+    from agent_core.io.layout import DataRoot
+
+    root = Path(config.data_root).resolve()
+    if not DataRoot(root).run(config.run_id).config_path.is_file():
+        return (f"agentr1: interrupted: run {config.run_id} stopped after {seconds:.0f}s, before it recorded "
+                "anything: run the same command again to start it")
+    return (f"agentr1: interrupted: run {config.run_id} stopped after {seconds:.0f}s; its finished stages are kept, "
+            f"continue it with `agentr1 resume --run-id {config.run_id} --data-root {shlex.quote(str(root))}`")
 
 
 def _print_result(result, data_root: str, seconds: float) -> None:
@@ -177,9 +202,12 @@ def _score(value: float) -> str:
 
 
 def _query(args: argparse.Namespace) -> int:
-    from agent_core.io.query import format_table, has_tables, run_query, write_result
+    from agent_core.io.query import check_result_path, check_select, format_table, has_tables, run_query, write_result
 
     data_root = Path(args.data_root or DEFAULT_DATA_ROOT)
+    check_select(args.sql)  # a statement that is not one SELECT is refused whatever the data root holds
+    if args.output:
+        check_result_path(Path(args.output), data_root)
     if not has_tables(data_root):
         raise FileNotFoundError(f"no tables under {data_root}: no run, dataset or eval has written any yet "
                                 "(start one with `agentr1 train`, or point --data-root at an existing one)")
@@ -202,6 +230,7 @@ def _rerun(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown --stage {args.stage!r}; valid stages: {', '.join(STAGES)}")
     if not DataRoot(Path(data_root)).run(args.run_id).config_path.is_file():
         raise FileNotFoundError(f"no run {args.run_id!r} under {Path(data_root) / 'runs'} (see `agentr1 runs`)")
+    check_run_free(DataRoot(Path(data_root)).run(args.run_id).lock_path, args.run_id)
     configure_environment(data_root)
     start_temporary_server()
 
@@ -260,7 +289,8 @@ def _eval(args: argparse.Namespace) -> int:
     data_root = args.data_root or DEFAULT_DATA_ROOT
     if args.seeds < 1 or (args.limit is not None and args.limit < 1):
         raise ValueError(f"--seeds and --limit must be >= 1, got --seeds {args.seeds} --limit {args.limit}")
-    recorded_config(data_root, args.run_id)  # a wrong run id fails here, before Prefect starts
+    # a wrong run id, model, version or alias fails here, before Prefect starts
+    _check_registered_checkpoint(*recorded_config(data_root, args.run_id), args.checkpoint)
     configure_environment(data_root)
     start_temporary_server()
     from flows.deployments import evaluate_training_run
@@ -278,6 +308,18 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"  MLflow store: {result.tracking_uri} (experiment agentr1-eval, run {result.mlflow_run_id})")
     print(f"  query:        agentr1 query --data-root {data_root} \"select method, avg(em) from eval group by 1\"")
     return 0
+
+
+def _check_registered_checkpoint(run, config, checkpoint: str | None) -> None:
+    """A `models:/` checkpoint resolved as the eval flow resolves it (flows.eval.run_checkpoints),
+    without Prefect: ModelRegistryError (a ValueError) names what does exist. The version it finds is
+    downloaded into the data root's models/ cache, which the eval then reuses."""
+    from agent_core.io.layout import DataRoot
+    from agent_core.io.model_registry import is_model_uri, registered_checkpoint
+
+    if is_model_uri(checkpoint):
+        root = DataRoot(run.data_root)
+        registered_checkpoint(checkpoint, config.tracking.tracking_uri or root.mlflow_tracking_uri, root.path)
 
 
 def _experiment(args: argparse.Namespace) -> int:
@@ -313,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         # user errors (config typos, missing runs, bad SQL) get one clear line, not a traceback
         print(f"agentr1: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside a run (train and resume say how to resume)
+        print(f"agentr1: interrupted: {args.command} stopped", file=sys.stderr, flush=True)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

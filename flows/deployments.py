@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from prefect import flow
 
+from agent_core.config_errors import deployment_overrides
 from agent_core.io.layout import RunLayout, new_run_id
 from agent_core.validation import load_config
 from flows.configs_lookup import recorded_config, resolve_config
@@ -42,8 +43,10 @@ def train_from_config(
     `data_root`. A fresh run id unless `run_id` is given; the id of an existing run resumes it."""
     quiet_progress_bars()
     configs = [config] if isinstance(config, str) else list(config)
-    pipeline = load_config([resolve_config(name) for name in configs],
-                           [f"data_root={data_root}", *overrides, *([f"run_id={run_id}"] if run_id else [])])
+    # a bad value is blamed on the deployment parameter that set it: a worker's user typed no --set
+    layers = [*deployment_overrides([f"data_root={data_root}"], "data_root"), *deployment_overrides(overrides),
+              *deployment_overrides([f"run_id={run_id}"] if run_id else [], "run_id")]
+    pipeline = load_config([resolve_config(name) for name in configs], layers)
     if pipeline.run_id is None:
         pipeline = pipeline.model_copy(update={"run_id": new_run_id("train")})
     print(f"agentr1: run {pipeline.run_id}: config {config} with overrides {list(overrides) or 'none'}; "

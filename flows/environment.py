@@ -77,7 +77,11 @@ class _SpawnTiedToParent:
         return subprocess.Popen(*args, preexec_fn=self._die_with_parent, **kwargs)
 
     def _die_with_parent(self) -> None:
-        """Runs in the child between fork and exec; the setting survives exec."""
+        """Runs in the child between fork and exec; both settings survive exec. Its own process group
+        keeps a terminal's Ctrl-C (SIGINT to the whole foreground group) away from the server: the
+        interrupted flow still records its Crashed state there, and `agentr1` stops it on the way out
+        (killed by the Ctrl-C first, the flow engine retried a dead API for a minute, then a traceback)."""
+        os.setpgid(0, 0)
         self._prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != self._parent_pid:  # the parent died before the line above: no signal will come
             os._exit(1)

@@ -47,10 +47,21 @@ def _read(path: Path) -> dict[str, Any]:
     try:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+        raise ConfigError(_yaml_error(path, error)) from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return loaded or {}
+
+
+def _yaml_error(path: Path, error: yaml.YAMLError) -> str:
+    """`file:line:column: not valid YAML: <problem> (<context>)` on one line; PyYAML's own message
+    spans several lines (the marks and a snippet of the file)."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context = getattr(error, "context", None)
+    detail = f"{problem} ({context})" if context else problem
+    return f"{where}: not valid YAML: {detail}; fix the file at that line and column"
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

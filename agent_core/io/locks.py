@@ -44,11 +44,7 @@ def run_lock(lock_path: str | os.PathLike, run_id: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            raise RunInUseError(
-                f"run {run_id!r} is being written by another process (pid {holder}; lock {lock_path}): "
-                "wait for it to end, or use another run id"
-            ) from None
+            raise _in_use(run_id, lock_path, handle.read()) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
@@ -56,6 +52,24 @@ def run_lock(lock_path: str | os.PathLike, run_id: str) -> Iterator[None]:
         yield
     finally:
         handle.close()  # closing the descriptor releases the flock
+
+
+def _in_use(run_id: str, lock_path: Path, holder: str) -> RunInUseError:
+    return RunInUseError(f"run {run_id!r} is being written by another process (pid {holder.strip() or 'unknown'}; "
+                         f"lock {lock_path}): wait for it to end, or use another run id")
+
+
+def check_run_free(lock_path: str | os.PathLike, run_id: str) -> None:
+    """RunInUseError, as `run_lock` would raise it, if a live process holds the run's lock; creates
+    nothing. The command calls it before it starts a Prefect server, so a second writer is told at once;
+    `run_lock` still decides (the writer may start between this check and it)."""
+    lock_path = Path(lock_path)
+    if lock_is_held(lock_path):
+        try:
+            holder = lock_path.read_text()
+        except OSError:
+            holder = ""
+        raise _in_use(run_id, lock_path, holder)
 
 
 def lock_is_held(lock_path: str | os.PathLike) -> bool:
