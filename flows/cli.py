@@ -241,9 +241,13 @@ def _rerun(args: argparse.Namespace) -> int:
 
 def _runs(args: argparse.Namespace) -> int:
     from agent_core.io.layout import DataRoot
+    from agent_core.io.mlflow_store import reroot_store
     from agent_core.io.run_status import run_status
 
     root = DataRoot(Path(args.data_root or DEFAULT_DATA_ROOT))
+    # A moved or copied data root: point its MLflow store here, so `mlflow models serve` works next.
+    if rewritten := reroot_store(root.mlflow_tracking_uri, root.mlflow_artifacts):
+        print(f"agentr1: the MLflow store moved with the data root: {rewritten} artifact locations now point under {root.path}")
     run_ids = root.run_ids()
     if not run_ids:
         print(f"agentr1: no runs under {root.runs_dir}")

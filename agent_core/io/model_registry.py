@@ -31,6 +31,8 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from agent_core.io.checkpoints import check_checkpoint, swap_into_place  # noqa: E402
+from agent_core.io.layout import DataRoot  # noqa: E402
+from agent_core.io.mlflow_store import reroot_store, sqlite_store_path  # noqa: E402
 
 RUN_ID_TAG = "agentr1.run_id"
 ITERATION_TAG = "iteration"
@@ -207,10 +209,9 @@ def _lookup(client: MlflowClient, model_uri: str, tracking_uri: str):
 def _store_exists(tracking_uri: str) -> None:
     """A missing SQLite store is a wrong data root, not a request to create an empty one (and
     MLflow would spend seconds migrating a fresh database only to find nothing in it)."""
-    if tracking_uri.startswith("sqlite:///"):
-        path = Path(tracking_uri.removeprefix("sqlite:///"))
-        if not path.is_file():
-            raise FileNotFoundError(f"no MLflow store at {path}: nothing was registered there (is the data root right?)")
+    path = sqlite_store_path(tracking_uri)
+    if path is not None and not path.is_file():
+        raise FileNotFoundError(f"no MLflow store at {path}: nothing was registered there (is the data root right?)")
 
 
 def _cache_dir(data_root: Path, name: str, number: str) -> Path:
@@ -222,21 +223,24 @@ def registered_checkpoint(model_uri: str, tracking_uri: str, data_root: Path) ->
     """The checkpoint directory of registered version `model_uri` (models:/<name>/<version> or
     models:/<name>@<alias>), downloaded once to <data_root>/models/<name>/version=<v>/.
 
-    A version's files never change, so a complete download is reused; it is recorded with the
-    version's source, and a folder that came from another store (same name and number) is
-    replaced. The download lands in a hidden temporary folder and is renamed into place, so a
-    killed download is never mistaken for a complete one."""
+    The data root's own store is re-rooted first if the data root was moved (mlflow_store.py); a
+    store in place is only read. A version's files never change, so a complete download is reused
+    (also after a move: it is recorded by the version's run, not its absolute source), and a folder
+    that came from another store (same name and number) is replaced. The download lands in a
+    hidden temporary folder and is renamed into place, so a killed download is never mistaken for
+    a complete one."""
     _store_exists(tracking_uri)
+    reroot_store(tracking_uri, DataRoot(Path(data_root)).mlflow_artifacts)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     found = _lookup(client, model_uri, tracking_uri)
     target = _cache_dir(data_root, found.name, found.version)
     record = {"name": found.name, "version": int(found.version), "source": found.source, "run_id": found.run_id}
-    if _cached(target) == record:
+    if _same_version(_cached(target), record):
         return model_checkpoint_dir(target)
     staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
     try:
-        _download(found.source, staging, tracking_uri)
+        _download(found, staging, tracking_uri)
         (staging / _CACHE_RECORD).write_text(json.dumps(record, indent=1))
         model_checkpoint_dir(staging)  # fail before the rename if the version holds no checkpoint
         swap_into_place(staging, target)
@@ -252,13 +256,27 @@ def _cached(target: Path) -> dict | None:
         return None
 
 
-def _download(source: str, staging: Path, tracking_uri: str) -> None:
+def _same_version(cached: dict | None, record: dict) -> bool:
+    """The same version of the same store: by its MLflow run (a random id, kept when the data root
+    moves, while the source's absolute path changes), or by its source without a run."""
+    if cached is None:
+        return False
+    keys = ("name", "version", "run_id") if record["run_id"] else ("name", "version", "source")
+    return all(cached.get(key) == record[key] for key in keys)
+
+
+def _download(found, staging: Path, tracking_uri: str) -> None:
     """Copy the version's files into `staging` itself (MLflow downloads into a subfolder named
-    after the source's last path component)."""
+    after the source's last path component). Missing files are one ModelRegistryError."""
     import mlflow.artifacts
 
-    fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(staging / "download"),
-                                                       tracking_uri=tracking_uri))
+    try:
+        fetched = Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=found.source, dst_path=str(staging / "download"), tracking_uri=tracking_uri))
+    except MlflowException as error:
+        detail = " ".join(str(error.message).split())[:300]
+        raise ModelRegistryError(f"version {found.version} of model {found.name!r} cannot be downloaded from "
+                                 f"{found.source} ({detail}): were its artifacts moved or deleted?") from None
     for item in fetched.iterdir():
         item.rename(staging / item.name)
     shutil.rmtree(staging / "download", ignore_errors=True)

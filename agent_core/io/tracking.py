@@ -15,12 +15,14 @@ Differences from the plain MLflow recipes:
   `source` at that artifact URI; not with `log_model` + `register_model`, which would create a
   second logged model when a run killed between the two is resumed.
 - Parameter values longer than MLflow's limit are cut (with a visible marker) instead of failing.
+- A data root's store is re-rooted when it is opened (`mlflow_store.reroot_store`): after the data
+  root was moved or copied, runs, versions and new artifacts resolve under where it is now, and a
+  resumed run writes nothing to the old place.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import posixpath
 import tempfile
 import time
@@ -32,6 +34,7 @@ from typing import Union
 from agent_core.io.mlflow_env import mlflow_env  # noqa: F401  (first: it sets MLflow's environment)
 from mlflow.entities import Metric, Param, RunTag, ViewType  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import (  # noqa: E402
     MAX_ENTITY_KEY_LENGTH,
@@ -41,6 +44,7 @@ from mlflow.utils.validation import (  # noqa: E402
 )
 
 from agent_core.failpoints import failpoint  # noqa: E402
+from agent_core.io.mlflow_store import create_sqlite_store, reroot_store, sqlite_store_path  # noqa: E402
 from agent_core.io.model_registry import (  # noqa: E402
     ITERATION_TAG,
     RUN_ID_TAG,
@@ -110,25 +114,6 @@ def _is_uri(location: str) -> bool:
     return "://" in location or location.startswith("file:")
 
 
-def _create_sqlite_store(path: Path) -> None:
-    """Create a new SQLite store whole or not at all: MLflow migrates a fresh database in ~2.5 s, and a
-    process killed meanwhile would leave a half-migrated file no later run can open. So the schema is
-    built in a hidden temporary file and hard-linked into place (`link` fails if a concurrent process
-    got there first: its store is kept, ours dropped)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        return
-    temp = path.with_name(f".{path.name}.{os.getpid()}-{time.time_ns()}.tmp")
-    try:
-        MlflowClient(tracking_uri=f"sqlite:///{temp.resolve()}").search_experiments()
-        try:
-            os.link(temp, path)
-        except FileExistsError:
-            pass
-    finally:
-        temp.unlink(missing_ok=True)
-
-
 class Tracker:
     """Logs one pipeline run to MLflow through an explicit tracking URI.
 
@@ -137,10 +122,12 @@ class Tracker:
     """
 
     def __init__(self, tracking_uri: str, artifact_location: str, experiment_name: str = "agentr1"):
-        if tracking_uri.startswith("sqlite:///"):
-            _create_sqlite_store(Path(tracking_uri.removeprefix("sqlite:///")))
+        store = sqlite_store_path(tracking_uri)
+        if store is not None:
+            create_sqlite_store(store, lambda uri: MlflowClient(tracking_uri=uri).search_experiments())
         if not _is_uri(artifact_location):
             artifact_location = str(Path(artifact_location).resolve())
+        reroot_store(tracking_uri, artifact_location)  # a moved data root: before anything reads a location
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
@@ -263,10 +250,21 @@ class Tracker:
         local_dir = Path(local_dir)
         if not local_dir.is_dir():
             raise TrackingError(f"cannot log artifacts: {local_dir} is not a directory")
-        self.client.log_artifacts(mlflow_run_id, str(local_dir), artifact_path)
+        self._artifact_repo(mlflow_run_id).log_artifacts(str(local_dir), artifact_path)
 
     def log_text(self, mlflow_run_id: str, text: str, artifact_file: str) -> None:
-        self.client.log_text(mlflow_run_id, text, artifact_file)
+        folder, name = posixpath.split(artifact_file)
+        with tempfile.TemporaryDirectory(prefix="agentr1-text-") as staging:
+            (Path(staging) / name).write_text(text, encoding="utf-8")
+            self._artifact_repo(mlflow_run_id).log_artifact(str(Path(staging) / name), folder or None)
+
+    def _artifact_repo(self, mlflow_run_id: str):
+        """The run's artifact repository, from the run's artifact URI as the store has it now. Not
+        `client.log_artifacts`: MLflow caches a run's repository per process by run id alone, so a
+        process that logged to a data root before it was copied (or re-rooted) would keep writing
+        to the old place."""
+        artifact_uri = self.client.get_run(mlflow_run_id).info.artifact_uri
+        return get_artifact_repository(artifact_uri, tracking_uri=self.tracking_uri)
 
     def end_run(self, mlflow_run_id: str, status: str = "FINISHED") -> None:
         if status not in END_STATUSES:
@@ -301,7 +299,7 @@ class Tracker:
         # The same artifact path every time: a rerun after a kill overwrites what the killed run logged.
         with tempfile.TemporaryDirectory(prefix="agentr1-model-") as staging:
             model_dir = save_policy_model(checkpoint_dir, Path(staging) / "model")
-            self.client.log_artifacts(mlflow_run_id, str(model_dir), artifact_path)
+            self._artifact_repo(mlflow_run_id).log_artifacts(str(model_dir), artifact_path)
         self._ensure_registered_model(model_name)
         failpoint("tracking:checkpoint_artifacts_logged")
         run = self.client.get_run(mlflow_run_id)
