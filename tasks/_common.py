@@ -88,16 +88,20 @@ def stage_progress(name: str, description: str, unit: str) -> Iterator[None]:
 
 def completed_outputs(record: StageRecord, resume: bool, what: str) -> dict[str, str] | None:
     """The outputs of `record`'s stage if it already completed with the same inputs and settings
-    (logged as skipped), else None: the stage must run. resume=False (an explicit rerun) always runs."""
+    and its outputs are still as it wrote them (logged as skipped), else None: the stage must run (a
+    warning names outputs damaged since). resume=False (an explicit rerun) always runs."""
     if not resume:
         return None
-    done = record.completed()
-    if done is None:
+    check = record.check()
+    log = stage_logger(record.stage)
+    if check.outputs is None:
+        if check.damaged:  # outside damage (a truncated table, a deleted checkpoint): say what is redone and why
+            log.warning("%s: redoing the stage, its outputs are missing or damaged since it completed: %s",
+                        what, "; ".join(check.damaged))
         failpoint(f"stage:{record.stage}:start")
     else:
-        stage_logger(record.stage).info("%s: already complete with these inputs and settings, skipped (%s)",
-                                        what, record.path)
-    return done
+        log.info("%s: already complete with these inputs and settings, skipped (%s)", what, record.path)
+    return check.outputs
 
 
 # ---- a prepared dataset's tables (prepare_data writes them) ------------------------------------

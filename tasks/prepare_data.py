@@ -13,7 +13,7 @@ from agent_core.data.rows import check_table_envs, document_to_row, prompt_to_ro
 from agent_core.data.synthetic import SyntheticQA, generate_synthetic_qa
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.manifests import StageRecord
-from agent_core.io.tables import read_table, table_exists, write_table, write_tables
+from agent_core.io.tables import TableReadError, read_table, table_exists, write_table, write_tables
 from tasks._common import DatasetUris, completed_outputs, stage_logger, stage_task
 
 
@@ -37,7 +37,10 @@ def load_dataset(data: DataConfig) -> SyntheticQA:
 
 @stage_task(name="prepare_dataset")
 def prepare_dataset(data_root: str, data: DataConfig) -> DatasetUris:
-    """Generate or load the dataset and its corpus, unless this exact dataset exists already."""
+    """Generate or load the dataset and its corpus, unless this exact dataset exists already. A table
+    there that is no longer readable Parquet (truncated, overwritten) is written again: the dataset is
+    a function of the config (and its source files), so the same bytes come back and the runs that
+    read it see no change."""
     log = stage_logger("prepare_dataset")
     dataset = load_dataset(data)
     root = DataRoot(Path(data_root))
@@ -47,10 +50,16 @@ def prepare_dataset(data_root: str, data: DataConfig) -> DatasetUris:
         root.dataset_table_uri(dataset.dataset_id, "corpus"),
     )
     if table_exists(uris.prompts_uri) and table_exists(uris.corpus_uri):
-        # Every later stage reads these prompts: a damaged or hand-edited file fails here, named.
-        check_table_envs("dataset_prompts", read_table("dataset_prompts", uris.prompts_uri), uris.prompts_uri)
-        log.info("dataset %s already prepared", dataset.dataset_id)
-        return uris
+        try:
+            prompts = read_table("dataset_prompts", uris.prompts_uri)
+            read_table("corpus", uris.corpus_uri)
+        except TableReadError as error:  # not Parquet any more (truncated, overwritten): made again, below
+            log.warning("dataset %s: %s; writing the dataset again", dataset.dataset_id, error)
+        else:
+            # Every later stage reads these prompts: readable but hand-edited bad rows fail here, named.
+            check_table_envs("dataset_prompts", prompts, uris.prompts_uri)
+            log.info("dataset %s already prepared", dataset.dataset_id)
+            return uris
     prompts = schemas.table_from_rows("dataset_prompts", [prompt_to_row(p) for p in dataset.prompts])
     check_table_envs("dataset_prompts", prompts, f"{data.source} dataset {dataset.dataset_id}, not written")
     # Both tables are checked before either is written: a bad one leaves no half-made dataset.

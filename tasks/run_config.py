@@ -11,7 +11,8 @@ from agent_core.io import background
 from agent_core.io.config_files import save_config
 from agent_core.io.layout import RunLayout
 from agent_core.io.locks import run_lock, sweep_temporaries
-from agent_core.io.run_status import record_run_end
+from agent_core.io.manifests import commits_made
+from agent_core.io.run_status import record_run_end, record_run_failure
 from agent_core.validation import load_config
 from tasks._common import stage_logger, stage_task
 
@@ -38,14 +39,19 @@ def writing_run(run: RunLayout) -> Iterator[RunLayout]:
 def recording_end(run: RunLayout) -> Iterator[None]:
     """Record how the block ended in the run's status: finished, or failed with its error (`agentr1
     runs` shows it); a process killed inside the block records nothing, which reads as killed. Writes
-    still running on the background thread (trainer.background_save) belong to the run: they finish first."""
+    still running on the background thread (trainer.background_save) belong to the run: they finish first.
+    A finished run that the block fails on without committing a stage stays finished (io/run_status.py)."""
+    committed_before = commits_made()
     try:
         yield
         background.wait()
     except Exception as error:
         background.wait_quietly()  # what was submitted is complete work; the block's error is the one to raise
         first_line = (str(error).splitlines() or [""])[0]
-        record_run_end(run, "failed", f"{type(error).__name__}: {first_line}")
+        detail = f"{type(error).__name__}: {first_line}"
+        if record_run_failure(run, detail, commits_made() - committed_before) == "finished":
+            stage_logger("resume").warning("run %s stays finished: this command changed none of its stages "
+                                           "before it failed (%s)", run.run_id, detail)
         raise
     record_run_end(run, "finished")
 

@@ -3,19 +3,31 @@
 A stage writes each output atomically (tables: `tables.write_table`; checkpoints: `save_policy`),
 then, last of all and also atomically, its manifest: a small JSON file naming the stage, a hash of
 its parameters (the config sections and numbers it was called with), a fingerprint of every input
-and every output. The manifest is the commit record: a crash before it leaves the stage
-incomplete, whatever outputs already exist, and a rerun redoes the stage.
+and the size and fingerprint of every output. The manifest is the commit record: a crash before it
+leaves the stage incomplete, whatever outputs already exist, and a rerun redoes the stage.
 
 A rerun of a flow skips a stage when its manifest exists, the parameter hash and input
-fingerprints equal the current ones, and every output still has its recorded fingerprint (so an
-output deleted or edited by hand is rebuilt). A changed config section or a changed input table
-reruns the stage, and since its outputs then change, everything downstream reruns too.
+fingerprints equal the current ones, and every output still has its recorded size and fingerprint,
+checked again by every process that resumes (an output truncated, deleted, replaced or edited by
+hand is rebuilt; the size is the cheap first look, the content hash the real one). A changed
+config section or a changed input table reruns the stage, and since its outputs then change,
+everything downstream reruns too. So a damaged output redoes its stage and what depends on it.
+
+Where outputs are: a manifest lives in `<owner>/_manifests/<stage>.json`, its owner being the run,
+the iteration or the dataset folder the stage writes into, and it records each output under the
+owner relative to the owner (`steps.parquet`, `checkpoint`); an output elsewhere stays absolute.
+Read back, they are paths under wherever the owner is now: a data root copied or moved
+elsewhere checks (and reuses) its own files, never the ones at the old place. Manifests of format 1
+recorded absolute paths: such a path is re-rooted (the part after the owner's last two folder names,
+e.g. `runs/<id>/iteration=0`, is taken under the owner's current place); one that does not name the
+owner's folders is checked where it is. Re-rooting rather than discarding them keeps a moved or
+copied run resumable without redoing every stage, and never trusts a file at the old place.
 
 Fingerprints are SHA-256 over content, not modification times: a redone stage whose outputs come
 out byte-identical (a deterministic run) lets its downstream stages be skipped. Directories
 (checkpoints) hash their files' names and contents; hidden names (`.x.tmp-...`, leftovers of a
-killed writer) are ignored. Hashes are cached per (path, inode, size, mtime) within a process, so a
-checkpoint read by several stages is hashed once.
+killed writer) are ignored. Hashes are cached per (path, inode, size, mtime) within a process only,
+so a checkpoint read by several stages is hashed once, and a file changed in any way is hashed again.
 """
 
 from __future__ import annotations
@@ -26,14 +38,16 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from agent_core.io.atomic import atomic_file
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: outputs relative to the owner folder, with sizes; 1: absolute paths, no sizes
+READABLE_VERSIONS = (1, 2)
 ABSENT = "absent"
 _HASH_CACHE: dict[tuple, str] = {}
+_commits = 0  # stage commits made by this process (`commits_made`)
 
 
 class ManifestError(ValueError):
@@ -54,6 +68,16 @@ def fingerprint(path: str | os.PathLike | None) -> str:
     for file in sorted(_visible_files(path)):
         digest.update(file.relative_to(path).as_posix().encode() + b"\0" + _file_digest(file).encode() + b"\n")
     return "dir:" + digest.hexdigest()
+
+
+def output_size(path: str | os.PathLike) -> int:
+    """Bytes of a file, or of a directory's visible files; -1 when nothing is there. Reads no content."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return -1
+    return sum(file.stat().st_size for file in _visible_files(path))
 
 
 def stat_stamp(path: str | os.PathLike) -> tuple:
@@ -107,6 +131,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def commits_made() -> int:
+    """How many stages this process has committed: a command that committed none changed no stage's
+    outputs (agent_core/io/run_status.py keeps a finished run finished when such a command fails)."""
+    return _commits
+
+
 @dataclass(frozen=True)
 class StageManifest:
     """What one completed stage read, how it was configured, and what it wrote."""
@@ -114,10 +144,20 @@ class StageManifest:
     stage: str
     params_hash: str
     inputs: dict[str, str]  # input name -> fingerprint
-    outputs: dict[str, str]  # output name -> path
+    outputs: dict[str, str]  # output name -> path where it is now (stored relative: module docstring)
     output_fingerprints: dict[str, str]  # output name -> fingerprint
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. the stage's wall seconds
     version: int = MANIFEST_VERSION
+    output_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # output name -> bytes (format 2)
+
+
+@dataclass(frozen=True)
+class StageCheck:
+    """Whether a stage may be skipped: its outputs (name -> path), or None and why it must run."""
+
+    outputs: dict[str, str] | None
+    reason: str = ""  # empty when complete
+    damaged: tuple[str, ...] = ()  # outputs no longer as recorded ("name (path): what is wrong")
 
 
 class StageRecord:
@@ -138,21 +178,33 @@ class StageRecord:
         self.params_hash = params_hash(params)
 
     def completed(self) -> dict[str, str] | None:
-        """The recorded outputs (name -> path) if the stage ran with these inputs and parameters and
-        its outputs are intact; None when it must run (again)."""
+        """The recorded outputs (name -> current path) if the stage ran with these inputs and
+        parameters and its outputs are intact; None when it must run (again)."""
+        return self.check().outputs
+
+    def check(self) -> StageCheck:
+        """`completed()`, saying why a stage must run: no manifest, other settings, changed inputs, or
+        outputs missing or damaged since the stage committed them (`damaged`)."""
         manifest = read_manifest(self.path)
-        if manifest is None or manifest.stage != self.stage or manifest.params_hash != self.params_hash:
-            return None
-        if manifest.inputs != self._input_fingerprints():
-            return None
-        for name, output in manifest.outputs.items():
-            if fingerprint(output) != manifest.output_fingerprints.get(name):
-                return None
-        return dict(manifest.outputs)
+        if manifest is None or manifest.stage != self.stage:
+            return StageCheck(None, "no manifest")
+        if manifest.params_hash != self.params_hash:
+            return StageCheck(None, "settings changed")
+        current = self._input_fingerprints()
+        changed = sorted(name for name in current.keys() | manifest.inputs.keys()
+                         if current.get(name) != manifest.inputs.get(name))
+        if changed:
+            return StageCheck(None, f"inputs changed: {', '.join(changed)}")
+        damaged = tuple(f"{name} ({path}): {problem}" for name, path in manifest.outputs.items()
+                        if (problem := _output_problem(manifest, name, path)))
+        if damaged:
+            return StageCheck(None, "outputs missing or damaged", damaged)
+        return StageCheck(dict(manifest.outputs))
 
     def commit(self, outputs: Mapping[str, str | os.PathLike], metrics: Mapping[str, float] | None = None) -> StageManifest:
         """Record the stage as complete; call after every output is in place. `metrics`: facts about
         this execution worth keeping with it (its wall seconds), read back by `read_manifest`."""
+        global _commits
         outputs = {name: os.fspath(path) for name, path in outputs.items()}
         missing = [f"{name} ({path})" for name, path in outputs.items() if fingerprint(path) == ABSENT]
         if missing:
@@ -161,31 +213,84 @@ class StageRecord:
             stage=self.stage, params_hash=self.params_hash, inputs=self._input_fingerprints(), outputs=outputs,
             output_fingerprints={name: fingerprint(path) for name, path in outputs.items()},
             metrics={name: float(value) for name, value in (metrics or {}).items()},
+            output_sizes={name: output_size(path) for name, path in outputs.items()},
         )
         write_manifest(manifest, self.path)
+        _commits += 1
         return manifest
 
     def _input_fingerprints(self) -> dict[str, str]:
         return {name: fingerprint(path) for name, path in sorted(self.inputs.items())}
 
 
+def _output_problem(manifest: StageManifest, name: str, path: str) -> str:
+    """What is wrong with a recorded output now ("" when nothing): the size first (a stat), then the hash."""
+    size = output_size(path)
+    if size < 0:
+        return "missing"
+    recorded = manifest.output_sizes.get(name)
+    if recorded is not None and size != recorded:
+        return f"{size} bytes, {recorded} recorded"
+    if fingerprint(path) != manifest.output_fingerprints.get(name):
+        return "content differs from what the stage wrote"
+    return ""
+
+
+def _owner(manifest_path: Path) -> Path:
+    """The folder whose `_manifests/` holds the manifest: the run, iteration or dataset folder."""
+    return manifest_path.parent.parent
+
+
+def _stored(path: str, owner: Path) -> str:
+    """An output as a manifest stores it: relative to the owner when under it, else absolute."""
+    absolute = Path(os.path.abspath(path))
+    for base, target in ((Path(os.path.abspath(owner)), absolute), (owner.resolve(), absolute.resolve())):
+        if target.is_relative_to(base) and target != base:
+            return target.relative_to(base).as_posix()
+    return str(absolute)
+
+
+def _located(stored: str, owner: Path, version: int) -> str:
+    """A stored output as a path under the owner's current place (module docstring), in the form the
+    manifest's own path has (relative to the working folder if that one is): what the stage returns
+    when it runs."""
+    if not os.path.isabs(stored):
+        return str(owner / stored)
+    if version >= 2:
+        return stored
+    parts, anchor = PurePath(stored).parts, (owner.parent.name, owner.name)
+    for start in range(len(parts) - 2, 0, -1):  # the last place the owner's two folder names appear
+        if parts[start:start + 2] == anchor:
+            return str(owner.joinpath(*parts[start + 2:]))
+    return stored
+
+
 def read_manifest(path: str | os.PathLike) -> StageManifest | None:
-    """The manifest at `path`; None if there is none, it is from another format version, or it is
-    damaged (written atomically, so only outside damage does that: redoing the stage is safe)."""
+    """The manifest at `path`, its outputs as paths where they are now; None if there is
+    none, it is from an unknown format version, or it is damaged (written atomically, so only
+    outside damage does that: redoing the stage is safe)."""
     path = Path(path)
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
-        if data.get("version") != MANIFEST_VERSION:
+        version = data.get("version")
+        if version not in READABLE_VERSIONS:
             return None
-        return StageManifest(**data)
-    except (json.JSONDecodeError, TypeError, AttributeError):
+        manifest = StageManifest(**data)
+        owner = _owner(path)
+        return dataclasses.replace(manifest, outputs={name: _located(stored, owner, version)
+                                                      for name, stored in manifest.outputs.items()})
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError, ValueError):
         return None
 
 
 def write_manifest(manifest: StageManifest, path: str | os.PathLike) -> Path:
-    """Write `manifest` atomically (temporary file, fsync, rename)."""
+    """Write `manifest` atomically (temporary file, fsync, rename), its outputs stored relative to
+    the manifest's owner folder where they are under it."""
+    owner = _owner(Path(path))
+    stored = dataclasses.replace(manifest, outputs={name: _stored(output, owner)
+                                                    for name, output in manifest.outputs.items()})
     with atomic_file(path, "w", failpoint_prefix=f"manifest:{manifest.stage}") as sink:
-        json.dump(dataclasses.asdict(manifest), sink, indent=1, sort_keys=True)
+        json.dump(dataclasses.asdict(stored), sink, indent=1, sort_keys=True)
     return Path(path)

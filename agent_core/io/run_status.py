@@ -4,6 +4,13 @@ The training flow records how it ended in `runs/<id>/status.json` (finished, or 
 error); a live writer holds the run's lock. A run that is not locked and recorded no end was
 stopped from outside (SIGKILL, a lost machine) and reads as killed. Iterations count the
 iterations whose tracking stage committed (the last stage of an iteration).
+
+A finished run stays finished when a later command on it (a resume) fails without committing any
+stage (`record_run_failure`): it changed none of the run's outputs, so the run is what it was. Such
+a command may have failed on a file damaged since the run finished, on a bad override or on a
+machine that went away; none of that is the run's failure. A resume that did commit a stage (it
+redid damaged outputs, or went on with more iterations) and then failed leaves the run part old,
+part new: that one is recorded failed, and the next resume finishes the work.
 """
 
 from __future__ import annotations
@@ -40,11 +47,25 @@ def record_run_end(run: RunLayout, status: str, detail: str | None = None) -> No
     write_text_atomic(run.status_path, json.dumps({"status": status, "detail": detail}) + "\n")
 
 
+def record_run_failure(run: RunLayout, detail: str, stages_committed: int) -> str:
+    """Record that a training process on the run failed with `detail`, unless the run was recorded
+    finished and the process committed no stage (module docstring); the status now recorded."""
+    recorded, _ = _recorded(run)
+    if recorded == "finished" and stages_committed == 0:
+        return "finished"
+    record_run_end(run, "failed", detail)
+    return "failed"
+
+
 def _recorded(run: RunLayout) -> tuple[str | None, str | None]:
+    """The recorded end; (None, None) when none is, or the record is damaged (then it reads as killed)."""
     if not run.status_path.is_file():
         return None, None
-    data = json.loads(run.status_path.read_text())
-    return data.get("status"), data.get("detail")
+    try:
+        data = json.loads(run.status_path.read_text())
+        return data.get("status"), data.get("detail")
+    except (ValueError, AttributeError):  # not JSON, not UTF-8, not an object
+        return None, None
 
 
 def run_status(run: RunLayout) -> RunStatus:

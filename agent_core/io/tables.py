@@ -72,7 +72,7 @@ def _checked(table_name: str, data: pa.Table | Iterable[Mapping[str, Any]]) -> p
 
 def _write_checked(table_name: str, table: pa.Table, path: Path) -> None:
     with atomic_file(path, failpoint_prefix=f"write_table:{path.name}") as sink:
-        pq.write_table(table, sink, compression=COMPRESSION)
+        pq.write_table(table, sink, compression=COMPRESSION, write_page_checksum=True)
     _WRITTEN[str(path.resolve())] = (table_name, _stat_key(os.stat(path)))
 
 
@@ -92,10 +92,10 @@ def read_table(table_name: str, uri: str | os.PathLike) -> pa.Table:
         raise FileNotFoundError(f"no {table_name} table at {path}")
     try:
         # ParquetFile reads just this file: no hive partition columns from `iteration=<k>` folders.
-        with open(path, "rb") as handle, pq.ParquetFile(handle) as parquet_file:
+        with open(path, "rb") as handle, pq.ParquetFile(handle, page_checksum_verification=True) as parquet_file:
             table = parquet_file.read()
             read_key = _stat_key(os.fstat(handle.fileno()))  # of the very file read (module docstring)
-    except (pa.ArrowException, OSError) as error:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as error:  # the last: a damaged footer's column names
         raise TableReadError(table_name, str(path), str(error)) from None
     if _WRITTEN.get(str(path.resolve())) == (table_name, read_key):
         spec = schemas.table_spec(table_name)
