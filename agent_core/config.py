@@ -10,10 +10,10 @@ this module does not import), so a typo never survives to the middle of a run.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
 from agent_core.config_errors import ConfigError, Problem, config_error, validation_problems
 from agent_core.plugins import PluginError, load_plugins
@@ -77,6 +77,19 @@ class DataConfig(_Section):
         return self
 
 
+class PolicyLoraConfig(_Section):
+    """LoRA adapters (peft) on the policy: only they train; the reference is the same module with
+    them disabled; a checkpoint is the adapter plus the base model's path (agent_core/training/lora.py)."""
+
+    rank: int = Field(16, ge=1, description="rank r of each adapter's A (r x in) and B (out x r) matrices")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: the adapter's update is (alpha / rank) * B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1,
+        description="names (last component) of the Linear layers that get an adapter, e.g. the attention "
+        "projections; add gate_proj, up_proj, down_proj for the MLP too")
+
+
 class PolicyConfig(_Section):
     """Where the initial policy comes from.
 
@@ -103,6 +116,9 @@ class PolicyConfig(_Section):
         "start, the copying skill a pretrained model brings (agent_core/training/pretrain.py); 0 = none"
     )
     pretrain_lr: float = Field(1e-3, gt=0, description="tiny: learning rate of the induction pretraining")
+    lora: PolicyLoraConfig | None = Field(
+        None, description="train LoRA adapters instead of every weight (unset: full fine-tuning); the initial "
+        "policy stays the full base model, which the adapters and the KL reference share")
 
     @model_validator(mode="after")
     def _path_needs_its_source(self) -> "PolicyConfig":
@@ -122,7 +138,10 @@ class VLLMConfig(_Section):
     python: str | None = Field(None, description="the vLLM venv's python (default: $AGENTR1_VLLM_PYTHON or .venv-vllm)")
     kv_cache_gib: float = Field(1.0, gt=0, description="CPU backend: KV cache size in GiB; fractions work (0.25 "
                                 "holds ~11k tokens of SmolLM2 in bfloat16, and saves 0.75 GiB of the server's memory)")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU backend: share of GPU memory")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="GPU backend: share of the GPU's memory the server takes (weights, KV cache, "
+        "graphs; --gpu-memory-utilization); the trainer on the same GPU needs the rest while the server is awake. "
+        "On GPU it decides and kv_cache_gib is ignored; on CPU kv_cache_gib decides and this is ignored")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="weights and compute dtype")
     weight_sync: Literal["reload", "restart"] = Field(
         "reload", description="reload: new weights into the running server (restart on failure); restart: always restart"
@@ -130,9 +149,21 @@ class VLLMConfig(_Section):
     keep_server: bool = Field(
         True, description="false: stop the server when its rollout ends, so training gets its memory (~3.7 GiB for "
         "SmolLM2 on CPU); each rollout then starts a fresh one (~25-45 s)")
+    sleep_mode: Literal["auto", "always", "never"] = Field(
+        "auto", description="a kept server sleeps between rollouts (POST /sleep?level=1: weights to CPU memory, KV "
+        "cache freed) so the trainer on the same GPU gets its memory, and wakes before the next rollout. auto: on GPU "
+        "(the server starts with --enable-sleep-mode); always: also on CPU, where vLLM's sleep does nothing; never. "
+        "Not run on a GPU here (docs/architecture.md §6)")
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the server's /health")
     max_concurrent_calls: int = Field(8, ge=1, description="generate calls the agent loop keeps in flight")
     extra_args: tuple[str, ...] = Field((), description="more vLLM server flags, verbatim")
+
+    @model_validator(mode="after")
+    def _sleep_needs_a_kept_server(self) -> "VLLMConfig":
+        if self.sleep_mode == "always" and not self.keep_server:
+            raise ValueError("sleep_mode=always puts a kept server to sleep between rollouts, but keep_server=false "
+                             "stops it instead: set one of them")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -198,6 +229,15 @@ class AlgorithmConfig(_Section):
     kl_in_reward: bool = Field(False, description="True: subtract the KL from the reward; False: a loss term")
 
 
+def _int_or_auto(minimum: int) -> PlainValidator:
+    """An integer >= minimum or "auto", with one message (a plain union would give two)."""
+    def check(value: Any) -> int | str:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+            return value
+        raise ValueError(f"got {value!r}; it must be an integer >= {minimum} or auto")
+    return PlainValidator(check)
+
+
 class TrainerConfig(_Section):
     lr: float = Field(5e-4, ge=0, description="0 makes no update (a dry run; the learning test's control)")
     weight_decay: float = Field(0.0, ge=0)
@@ -206,9 +246,13 @@ class TrainerConfig(_Section):
     dual_clip: float | None = Field(None, gt=1)
     entropy_coef: float = 0.0
     max_grad_norm: float = Field(1.0, gt=0)
-    micro_batch_tokens: int = Field(8192, ge=64, description="padded tokens per micro-batch")
-    micro_batch_logits: int = Field(
-        2**26, ge=2**16, description="cap on tokens x vocab per micro-batch (its fp32 logits and their copies bound memory)"
+    micro_batch_tokens: Annotated[int | Literal["auto"], _int_or_auto(64)] = Field(
+        "auto", description="padded tokens per micro-batch; auto: 8192 on the CPU, on CUDA from the device's free "
+        "memory and the model's shape (agent_core/training/memory.py); a micro-batch that runs out of memory is split"
+    )
+    micro_batch_logits: Annotated[int | Literal["auto"], _int_or_auto(2**16)] = Field(
+        "auto", description="cap on tokens x vocab per micro-batch (its fp32 logits and their copies bound memory); "
+        "auto: 2**26 on the CPU, none on CUDA (the memory-based budget counts the logits)"
     )
     loss_agg_mode: str = "token-mean"
     policy_loss: str = Field("ppo_clip", description="a registered policy loss (agent_core/algos/losses.py)")
@@ -220,9 +264,10 @@ class TrainerConfig(_Section):
     recompute_old_logprobs: bool = Field(
         False, description="True: old log-probs from the policy before the update; False: the rollout's"
     )
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="bf16: forward/backward matmuls under bfloat16 autocast (weights, optimizer and loss stay "
-        "fp32); ~2x faster on CPUs with AVX512-BF16 or AMX and on GPUs, log-probs differ at the 1e-2 level"
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16: forward/backward matmuls under bfloat16 autocast (weights, optimizer and loss stay "
+        "fp32); ~2x faster on CPUs with AVX512-BF16 or AMX and on GPUs, log-probs differ at the 1e-2 level; auto: bf16 "
+        "on CUDA, fp32 on the CPU (agent_core/training/precision.py)"
     )
     activation_checkpointing: bool = Field(
         False, description="recompute each layer's activations in the backward pass: less memory, ~30% more compute"
@@ -348,6 +393,10 @@ class PipelineConfig(_Section):
         default_factory=list, description="modules imported first; they register envs, tools, estimators ..."
     )
     data_root: str = "data"
+    device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where the policy, the reference scoring, the critic "
+        "and the hf engine of this process live: auto (cuda when torch.cuda.is_available(), else cpu), cpu, cuda or "
+        "cuda:N; a CUDA device the machine lacks fails at config check (agent_core/devices.py)")
     iterations: int = Field(12, ge=1)
     seed: int = 0
     data: DataConfig = DataConfig()

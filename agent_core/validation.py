@@ -25,6 +25,7 @@ from agent_core.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from agent_core.config import AlgorithmConfig, PipelineConfig, RolloutConfig, parse_config
 from agent_core.config_errors import Problem, config_error
 from agent_core.data.oracle import oracle_config_problems
+from agent_core.devices import DeviceError, resolve_device
 from agent_core.envs.formats import FORMATS
 from agent_core.envs.registry import ENVS, check_env_spec, check_tool_entries
 from agent_core.io.checkpoints import CheckpointError, check_checkpoint, policy_source_dir
@@ -131,9 +132,14 @@ def check_runnable(config: PipelineConfig, source: str = "config", overrides: Se
 
     Checked before a Prefect server starts or a run folder is made, so a bad path leaves nothing
     behind: the checkpoint the initial policy is copied from (`policy_source=False` skips it, for a
-    run that has copied it already), and vLLM's virtualenv when the engine is vllm.
+    run that has copied it already), vLLM's virtualenv when the engine is vllm, and the `device`
+    (a CUDA device this machine lacks).
     """
     problems = (_policy_problems(config) if policy_source else []) + _cluster_problems(config)
+    try:
+        resolve_device(config.device)
+    except DeviceError as error:
+        problems.append(Problem("device", str(error)))
     if config.rollout.engine == "vllm" and not config.cluster.replica_urls:
         try:
             vllm_python(VLLMOptions(python=config.rollout.vllm.python))

@@ -43,13 +43,14 @@ def _rerun(run: RunLayout, config: PipelineConfig, iteration: int, stage: str) -
     stages = {  # resume=False: an explicit rerun always runs (and its manifest then records the rerun's settings)
         "prepare_data": lambda: prepare_data(run, k, dataset, config.data, config.seed, resume=False),
         "rollout": lambda: rollout(run, k, table("prompts"), dataset.corpus_uri, str(run.policy_dir_before(k)),
-                                   config.rollout, config.seed, resume=False),
+                                   config.rollout, config.seed, resume=False, device=config.device),
         "label_rewards": lambda: label_rewards(run, k, table("steps"), table("prompts"), config.reward, resume=False),
         "compute_advantages": lambda: compute_advantages(run, k, table("steps"), table("rewards"), config.algorithm,
-                                                         config.trainer, config.rollout.temperature, resume=False),
+                                                         config.trainer, config.rollout.temperature, resume=False,
+                                                         device=config.device),
         "train": lambda: train_policy(run, k, table("steps"), table("advantages"), str(run.policy_dir_before(k)),
                                       config.trainer, config.algorithm, config.rollout.temperature,
                                       config.iterations * config.trainer.epochs * config.trainer.mini_batches,
-                                      resume=False),
+                                      resume=False, lora=config.policy.lora, device=config.device),
     }
     return stages[stage]()

@@ -14,12 +14,10 @@ from pathlib import Path
 from prefect import flow
 
 from agent_core.algos.estimator_core import estimator_uses_critic
-from agent_core.cluster.session import close_cluster
 from agent_core.config import PipelineConfig
 from agent_core.io.layout import DataRoot, RunLayout, new_run_id
 from agent_core.io.summaries import IterationSummary, eval_scores
-from agent_core.rollout.engines import shutdown_engines
-from agent_core.training import resident
+from agent_core.run_resources import RunResources
 from agent_core.validation import check_names, check_runnable
 from flows.environment import quiet_progress_bars
 from tasks.compute_advantages import compute_advantages
@@ -60,7 +58,8 @@ def _warm_start(run: RunLayout, dataset: DatasetUris, config: PipelineConfig, po
     else:
         steps = cfg.steps_uri
         rewards = str(Path(steps).with_name("rewards.parquet"))
-    return warm_start(run, steps, rewards, cfg, config.trainer.micro_batch_tokens, policy_dir, config.seed)
+    return warm_start(run, steps, rewards, cfg, config.trainer.micro_batch_tokens, policy_dir, config.seed,
+                      device=config.device)
 
 
 def start_policy(run: RunLayout, config: PipelineConfig) -> tuple[DatasetUris, str]:
@@ -85,14 +84,11 @@ def train(config: PipelineConfig) -> TrainResult:
         config = config.model_copy(update={"run_id": new_run_id()})
     # a missing checkpoint or engine fails before the run folder exists (unless the run copied its policy already)
     check_runnable(config, policy_source=not DataRoot(Path(config.data_root)).run(config.run_id).initial_policy_dir.exists())
-    try:
+    # The run's device, engines, cluster, writer thread, resident policy and search indexes: placed
+    # on entry, freed on exit in one visible order (agent_core/run_resources.py).
+    with RunResources(config) as resources:
         with writing_run(DataRoot(Path(config.data_root)).run(config.run_id)) as run, recording_end(run):
-            return _train(run, config)
-    finally:
-        shutdown_engines()  # vLLM servers stay warm between iterations, not after the run
-        resident.forget()  # the policy kept in memory for the next iteration (trainer.keep_policy_in_memory)
-        if config.cluster.address is not None:
-            close_cluster()  # replicas and training workers too (and a local Ray cluster)
+            return _train(run, config, resources)
 
 
 def _finish_iteration(run: RunLayout, k: int, checkpoint: str, dataset: DatasetUris, config: PipelineConfig,
@@ -104,7 +100,8 @@ def _finish_iteration(run: RunLayout, k: int, checkpoint: str, dataset: DatasetU
     return checkpoint, k + 1
 
 
-def _train(run: RunLayout, config: PipelineConfig) -> TrainResult:
+def _train(run: RunLayout, config: PipelineConfig, resources: RunResources) -> TrainResult:
+    device = resources.device_setting  # the stages resolve it where their models load
     dataset, policy_dir = start_policy(run, config)
     if estimator_uses_critic(config.algorithm.estimator):
         init_critic(run, policy_dir)
@@ -121,19 +118,22 @@ def _train(run: RunLayout, config: PipelineConfig) -> TrainResult:
     for k in range(config.iterations):
         prompts = prepare_data(run, k, dataset, config.data, config.seed)
         steps = rollout(run, k, prompts, dataset.corpus_uri, policy_dir, config.rollout, config.seed,
-                        policy_version=version, cluster=config.cluster)
+                        policy_version=version, cluster=config.cluster, device=device)
+        resources.after_rollout()  # the engine's memory goes back to the device before scoring and training
         if training is not None:  # iteration k-1 trained while this rollout ran; its critic is read next
             policy_dir, version = _finish_iteration(run, k - 1, training.result(), dataset, config, eval_settings,
                                                     tracking, reports)
         rewards = label_rewards(run, k, steps, prompts, config.reward)
         advantages = compute_advantages(run, k, steps, rewards, config.algorithm, config.trainer,
-                                        config.rollout.temperature)
+                                        config.rollout.temperature, device=device)
         train_args = (run, k, steps, advantages, policy_dir, config.trainer, config.algorithm,
                       config.rollout.temperature, total_steps)
         if overlap:  # the next rollout starts now, with policy_dir (this training's result comes later)
-            training = train_policy.submit(*train_args, cluster=config.cluster)
+            training = train_policy.submit(*train_args, cluster=config.cluster, device=device,
+                                           lora=config.policy.lora)
         else:
-            policy_dir, version = _finish_iteration(run, k, train_policy(*train_args, cluster=config.cluster),
+            policy_dir, version = _finish_iteration(run, k, train_policy(*train_args, cluster=config.cluster,
+                                                                         device=device, lora=config.policy.lora),
                                                     dataset, config, eval_settings, tracking, reports)
     if training is not None:
         policy_dir, version = _finish_iteration(run, config.iterations - 1, training.result(), dataset, config,

@@ -10,7 +10,7 @@ This package imports nothing from the project; `agent_core.io.tables` does the d
 """
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandera.errors as pandera_errors
@@ -36,10 +36,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TableSpec:
+    """defaults: columns added after tables were written, with the value an older table (or rows
+    without the column) gets in every row, so old runs still read."""
+
     name: str
     arrow_schema: pa.Schema
     model: type[ArrowModel]
     row_id_columns: tuple[str, ...]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 TABLES: dict[str, TableSpec] = {
@@ -53,7 +57,7 @@ TABLES: dict[str, TableSpec] = {
         TableSpec("rewards", rewards.ARROW_SCHEMA, rewards.RewardsModel, rewards.ROW_ID_COLUMNS),
         TableSpec("advantages", advantages.ARROW_SCHEMA, advantages.AdvantagesModel, advantages.ROW_ID_COLUMNS),
         TableSpec("train_metrics", train_metrics.ARROW_SCHEMA, train_metrics.TrainMetricsModel,
-                  train_metrics.ROW_ID_COLUMNS),
+                  train_metrics.ROW_ID_COLUMNS, train_metrics.COLUMN_DEFAULTS),
         TableSpec("eval", eval_schema.ARROW_SCHEMA, eval_schema.EvalModel, eval_schema.ROW_ID_COLUMNS),
     )
 }
@@ -142,7 +146,8 @@ def table_from_rows(table_name: str, rows: Iterable[Mapping[str, Any]]) -> pa.Ta
     if not_mappings:
         raise TypeError(f"{table_name}: rows must be dicts of column -> value, got {not_mappings[0]}")
     keys = set().union(*(row.keys() for row in rows)) if rows else set(spec.arrow_schema.names)
-    _check_column_names(spec, keys)
+    rows = [{**{k: v for k, v in spec.defaults.items() if k not in keys}, **row} for row in rows]
+    _check_column_names(spec, keys | set(spec.defaults))
     schema = _nullable(spec.arrow_schema)
     try:
         return pa.Table.from_pylist(rows, schema=schema)
@@ -179,7 +184,17 @@ def _check_column_names(spec: TableSpec, names: Iterable[str]) -> None:
         raise TableValidationError(spec.name, failures)
 
 
+def _with_defaults(spec: TableSpec, data: pa.Table) -> pa.Table:
+    """`data` with each defaulted column it lacks (a table written before the column existed)."""
+    for name, value in spec.defaults.items():
+        if name not in data.column_names:
+            column_type = spec.arrow_schema.field(name).type
+            data = data.append_column(name, pa.array([value] * data.num_rows, type=column_type))
+    return data
+
+
 def _conform(spec: TableSpec, data: pa.Table) -> pa.Table:
+    data = _with_defaults(spec, data)
     _check_column_names(spec, data.column_names)
     columns = []
     for field in spec.arrow_schema:

@@ -139,9 +139,9 @@ def vllm_options(cfg: VLLMConfig) -> VLLMOptions:
     return VLLMOptions(**cfg.model_dump())
 
 
-def engine_options(cfg: RolloutConfig) -> EngineOptions:
+def engine_options(cfg: RolloutConfig, device: str = "auto") -> EngineOptions:
     return EngineOptions(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_context_tokens,
-                         vllm=vllm_options(cfg.vllm))
+                         vllm=vllm_options(cfg.vllm), device=device)
 
 
 def on_cluster(cluster: ClusterConfig | None) -> bool:
@@ -149,11 +149,13 @@ def on_cluster(cluster: ClusterConfig | None) -> bool:
     return cluster is not None and cluster.address is not None
 
 
-def rollout_engine(cfg: RolloutConfig, cluster: ClusterConfig | None, policy_dir: str, policy_version: int):
-    """The rollout's engine: in-process from the registry, or a router over the cluster's replicas,
-    all serving `policy_dir` as `policy_version` before the first call."""
+def rollout_engine(cfg: RolloutConfig, cluster: ClusterConfig | None, policy_dir: str, policy_version: int,
+                   device: str = "auto"):
+    """The rollout's engine: in-process from the registry (its model on `device`, the run's setting),
+    or a router over the cluster's replicas, all serving `policy_dir` as `policy_version` before the
+    first call (each replica places its engine by its own GPUs: cluster.replica_gpus)."""
     if not on_cluster(cluster):
-        return ENGINES.get(cfg.engine)(Path(policy_dir), engine_options(cfg))
+        return ENGINES.get(cfg.engine)(Path(policy_dir), engine_options(cfg, device))
     from agent_core.cluster.replicas import ReplicaSpec
     from agent_core.cluster.session import rollout_engine as replica_router
 

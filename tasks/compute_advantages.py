@@ -6,6 +6,9 @@ each from the context its token was generated in (``score_on_grid``: a last_k wi
 their own contexts), and the reference policy's log-probs of every response (when a KL term is
 on), stored in the `advantages` table. A KL in the reward is subtracted here, on action tokens, as
 kl_coef * KL(rollout policy || reference) per token.
+
+The reference policy and the critic are scored on the run's `device` (not a setting the manifest
+compares: placement does not change what is computed beyond float rounding).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from agent_core.algos.step_advantages import (
     EpisodeBatch, StepRewardRow, estimate_step_advantages, prepare_episodes, score_on_grid,
 )
 from agent_core.config import AlgorithmConfig, TrainerConfig
-from agent_core.io.checkpoints import load_policy
+from agent_core.devices import resolve_device
+from agent_core.io.checkpoints import load_policy, load_tokenizer
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import join_steps, write_table
 from agent_core.training.critic import build_critic, load_critic, score_values
+from agent_core.training.lora import reference_policy
 from agent_core.training.scoring import score_logprobs
 from tasks._common import completed_outputs, stage_logger, stage_task
 
@@ -44,7 +49,7 @@ def estimator_settings(cfg: AlgorithmConfig) -> dict:
 
 
 def _critic_values(run: RunLayout, iteration: int, policy_dir: str, batch: EpisodeBatch, micro_batch_tokens: int,
-                   pad_id: int) -> torch.Tensor:
+                   pad_id: int, device: torch.device) -> torch.Tensor:
     """[E, T]: the critic of the iteration before, on the batch's grid (``score_on_grid``)."""
     critic_dir = run.critic_dir_before(iteration)
     if critic_dir.exists():
@@ -52,15 +57,19 @@ def _critic_values(run: RunLayout, iteration: int, policy_dir: str, batch: Episo
     else:  # e.g. a rerun of this stage with gae on a run trained without a critic
         stage_logger("compute_advantages").warning("no critic at %s: starting one from %s", critic_dir, policy_dir)
         critic = build_critic(Path(policy_dir))
+    critic.to(device)
     return score_on_grid(batch, lambda contexts: score_values(critic, contexts, pad_id, micro_batch_tokens))
 
 
-def _reference_logprobs(run: RunLayout, rows: Sequence[dict], micro_batch_tokens: int, temperature: float) -> list[list[float]]:
-    """The frozen reference policy's log-probs of each step's response tokens."""
-    reference, tokenizer = load_policy(run.reference_policy_dir)
+def _reference_logprobs(run: RunLayout, rows: Sequence[dict], micro_batch_tokens: int, temperature: float,
+                        device: torch.device, policy_dir: str) -> list[list[float]]:
+    """The frozen reference policy's log-probs of each step's response tokens (with LoRA: the policy's
+    module kept in memory with its adapter disabled, where there is one: training/lora.py)."""
     sequences = [r["prompt_ids"] + r["response_ids"] for r in rows]
-    scored = score_logprobs(reference, sequences, tokenizer.pad_token_id, micro_batch_tokens, temperature,
-                            starts=[len(r["prompt_ids"]) for r in rows])  # only the responses get logits
+    with reference_policy(run.reference_policy_dir, Path(policy_dir),
+                          lambda directory: load_policy(directory, device=device)) as (reference, tokenizer):
+        scored = score_logprobs(reference, sequences, tokenizer.pad_token_id, micro_batch_tokens, temperature,
+                                starts=[len(r["prompt_ids"]) for r in rows])  # only the responses get logits
     return [per_token[len(r["prompt_ids"]):] for r, per_token in zip(rows, scored)]
 
 
@@ -80,7 +89,8 @@ def _kl_penalty_grid(batch: EpisodeBatch, rows: Sequence[dict], ref_logprobs: li
 
 @stage_task(name="compute_advantages")
 def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_uri: str, cfg: AlgorithmConfig,
-                       trainer: TrainerConfig | None = None, temperature: float = 1.0, resume: bool = True) -> str:
+                       trainer: TrainerConfig | None = None, temperature: float = 1.0, resume: bool = True,
+                       device: str = "auto") -> str:
     log = stage_logger("compute_advantages")
     trainer = trainer or TrainerConfig()
     uses_critic, uses_reference = estimator_uses_critic(cfg.estimator), cfg.kl_coef > 0
@@ -99,10 +109,12 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
                                                                   "response_ids", "reward")}) for r in rows])
     values = ref_logprobs = penalty = None
     if uses_critic:
-        pad_id = load_policy(Path(policy_dir))[1].pad_token_id
-        values = _critic_values(run, iteration, policy_dir, batch, trainer.micro_batch_tokens, pad_id)
+        pad_id = load_tokenizer(Path(policy_dir)).pad_token_id  # the tokenizer only: no model loaded for it
+        values = _critic_values(run, iteration, policy_dir, batch, trainer.micro_batch_tokens, pad_id,
+                                resolve_device(device))
     if uses_reference:
-        ref_logprobs = _reference_logprobs(run, rows, trainer.micro_batch_tokens, temperature or 1.0)
+        ref_logprobs = _reference_logprobs(run, rows, trainer.micro_batch_tokens, temperature or 1.0,
+                                           resolve_device(device), policy_dir)
         if cfg.kl_in_reward:
             penalty = _kl_penalty_grid(batch, rows, ref_logprobs, cfg.kl_coef, cfg.kl_estimator)
     results = estimate_step_advantages(batch, **estimator_settings(cfg), values=values, kl_penalty=penalty)

@@ -69,8 +69,14 @@ def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float |
         max_context_tokens=rollout.max_context_tokens, top_k=config.data.top_k,
         tool_format=rollout.env_kwargs.get("tool_format", "tag"),
         instructions=rollout.instructions, engine=rollout.engine,
-        max_batch_size=rollout.max_batch_size, vllm=vllm_options(rollout.vllm),
+        max_batch_size=rollout.max_batch_size, vllm=vllm_options(rollout.vllm), device=config.device,
     )
+
+
+def _compared(settings: EvalSettings) -> dict:
+    """The settings a dev eval's manifest compares: all but the device (placement changes no answer
+    beyond float rounding, and runs recorded before it existed still resume)."""
+    return {k: v for k, v in dataclasses.asdict(settings).items() if k != "device"}
 
 
 @stage_task(name="dev_eval")
@@ -81,7 +87,8 @@ def dev_eval(run: RunLayout, iteration: int | None, policy_dir: str, dataset: Da
     uri = run.dev_eval_uri(iteration)
     record = StageRecord(run.manifest_path("dev_eval", iteration), "dev_eval",
                          inputs={"policy": policy_dir, "dataset_prompts": dataset.prompts_uri,
-                                 "corpus": dataset.corpus_uri}, params={"dev_eval": cfg, "settings": settings})
+                                 "corpus": dataset.corpus_uri},
+                         params={"dev_eval": cfg, "settings": _compared(settings)})
     which = "start" if iteration is None else f"iteration {iteration}"
     if (done := completed_outputs(record, resume, f"{which} dev eval")) is not None:
         return done["eval"]

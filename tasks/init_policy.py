@@ -49,7 +49,9 @@ def init_policy(run: RunLayout, dataset: DatasetUris, policy: PolicyConfig, resu
     target = run.initial_policy_dir
     source = policy_source_dir(policy.source, policy.path)
     inputs = {"dataset_prompts": dataset.prompts_uri, "corpus": dataset.corpus_uri} if source is None else {"source": source}
-    record = StageRecord(run.manifest_path("init_policy"), "init_policy", inputs=inputs, params={"policy": policy})
+    # policy.lora leaves the initial policy as it is (adapters start at the train stage): not compared
+    record = StageRecord(run.manifest_path("init_policy"), "init_policy", inputs=inputs,
+                         params={"policy": policy.model_dump(mode="json", exclude={"lora"})})
     if (done := completed_outputs(record, resume, "initial policy")) is not None:
         return done["policy"]
     if policy.source == "tiny":

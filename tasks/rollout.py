@@ -20,13 +20,14 @@ from tasks._common import (
 @stage_task(name="rollout")
 def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, policy_dir: str,
             cfg: RolloutConfig, seed: int, resume: bool = True, policy_version: int | None = None,
-            cluster: ClusterConfig | None = None) -> str:
+            cluster: ClusterConfig | None = None, device: str = "auto") -> str:
     """Episodes of the iteration's prompts with the policy at `policy_dir`; the steps table's URI.
 
     policy_version: the version `policy_dir` holds (default: `iteration`, on-policy; one less when
     this rollout overlaps the previous iteration's training). cluster: where the engine runs
     (unset address: in this process); it does not change what is sampled, so it is not a setting
-    the stage's manifest compares.
+    the stage's manifest compares. device: where an in-process hf engine's model lives (the run's
+    `device` setting; neither is it compared: placement does not change what is asked for).
     """
     log = stage_logger("rollout")
     version = iteration if policy_version is None else policy_version
@@ -44,7 +45,7 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     check_checkpoint(Path(policy_dir))
     documents = read_corpus(corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
-    engine = rollout_engine(cfg, cluster, policy_dir, version)
+    engine = rollout_engine(cfg, cluster, policy_dir, version, device)
     try:
         with stage_progress("rollout", f"rollout iteration {iteration}", "episodes"):
             records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,

@@ -40,13 +40,17 @@ import dataclasses
 import math
 import time
 
+import torch
+
 from agent_core.algos.estimator_core import estimator_uses_critic
-from agent_core.config import AlgorithmConfig, ClusterConfig, TrainerConfig
+from agent_core.config import AlgorithmConfig, ClusterConfig, PolicyLoraConfig, TrainerConfig
+from agent_core.devices import resolve_device
 from agent_core.io import background
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, table_exists, write_table
 from agent_core.training.iteration import Optimization, TrainJob, run_training
+from agent_core.training.precision import resolve_precision
 from agent_core.training.safety import nonfinite_streaks
 from agent_core.training.settings import PPOSettings
 from tasks._common import cluster_spec, completed_outputs, on_cluster, stage_logger, stage_progress, stage_task
@@ -90,7 +94,8 @@ def _train_inputs(run: RunLayout, iteration: int, steps_uri: str, advantages_uri
 
 
 def _job(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, policy_dir: str, cfg: TrainerConfig,
-         algorithm: AlgorithmConfig, temperature: float, total_steps: int, background_save: bool) -> TrainJob:
+         algorithm: AlgorithmConfig, temperature: float, total_steps: int, background_save: bool,
+         device: str = "auto") -> TrainJob:
     """Iteration k's TrainJob. background_save: the optimizer state on the writer thread (the caller
     decides: trainer.background_save, and only where training runs in this process)."""
     critic = {}
@@ -110,19 +115,36 @@ def _job(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, po
                                   total_steps=cfg.total_steps or total_steps),
         layout=cfg.layout, max_consecutive_nonfinite=cfg.max_consecutive_nonfinite,
         carried_nonfinite=_nonfinite_streak_before(run, iteration), keep_in_memory=cfg.keep_policy_in_memory,
-        background_save=background_save, **critic)
+        background_save=background_save, device=device, **critic)
 
 
-def _result_settings(cfg: TrainerConfig) -> dict:
+def _result_settings(cfg: TrainerConfig, device: torch.device) -> dict:
     """The trainer settings the manifest compares: all but those that cannot change the outputs (the
     cache; when the optimizer state is written; recomputed activations give the same step up to float
-    rounding), so turning them on or off reruns nothing (and runs recorded before they existed still resume)."""
-    return cfg.model_dump(mode="json", exclude={"keep_policy_in_memory", "activation_checkpointing", "background_save"})
+    rounding), so turning them on or off reruns nothing (and runs recorded before they existed still resume).
+    The precision is the one used on `device` ("auto" on the CPU is "fp32", as runs before "auto" recorded)."""
+    settings = cfg.model_dump(mode="json", exclude={"keep_policy_in_memory", "activation_checkpointing",
+                                                    "background_save"})
+    return {**settings, "precision": resolve_precision(cfg.precision, device)}
 
 
 def _in_process(cluster: ClusterConfig | None) -> bool:
     """Whether training runs in this process (else on data-parallel Ray workers)."""
     return not on_cluster(cluster) or cluster.trainer_workers == 1 and cluster.worker_gpus == 0
+
+
+def _training_device(cluster: ClusterConfig | None, device: str) -> torch.device:
+    """Where the policy trains: the run's device in this process; a data-parallel worker's own
+    (a GPU when cluster.worker_gpus > 0)."""
+    if _in_process(cluster):
+        return resolve_device(device)
+    return torch.device("cuda" if cluster.worker_gpus > 0 and device != "cpu" else "cpu")
+
+
+def _job_device(cluster: ClusterConfig | None, device: str) -> str:
+    """The device setting a job carries: the run's in this process; for a worker, cpu or auto (its
+    own GPU when Ray gave it one: an index of this machine means nothing there)."""
+    return device if _in_process(cluster) or device == "cpu" else "auto"
 
 
 def _run_job(job: TrainJob, cluster: ClusterConfig | None):
@@ -139,24 +161,30 @@ def _run_job(job: TrainJob, cluster: ClusterConfig | None):
 @stage_task(name="train")
 def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri: str, policy_dir: str,
                  cfg: TrainerConfig, algorithm: AlgorithmConfig, temperature: float, total_steps: int = 0,
-                 resume: bool = True, cluster: ClusterConfig | None = None) -> str:
+                 resume: bool = True, cluster: ClusterConfig | None = None,
+                 lora: PolicyLoraConfig | None = None, device: str = "auto") -> str:
     """Update the policy of `policy_dir` and save it as this iteration's checkpoint; return its path.
 
     total_steps: the decay horizon of a linear/cosine schedule (default: this iteration's steps).
+    lora: policy.lora; the checkpoint is then an adapter on the start policy (agent_core/training/lora.py).
     cluster: where training runs (not a setting the manifest compares: the parameters are the same).
+    device: the run's `device` setting, where the policy and critic train in this process (not compared
+    either, but the precision "auto" resolves to on it is).
     """
     log = stage_logger("train")
     background.wait()  # the previous iteration's optimizer state and manifest: inputs and resume state of this one
     uses_critic = estimator_uses_critic(algorithm.estimator)
     record = StageRecord(run.manifest_path("train", iteration), "train", inputs=_train_inputs(
         run, iteration, steps_uri, advantages_uri, policy_dir, uses_critic), params={
-        "trainer": _result_settings(cfg), "algorithm": algorithm, "temperature": temperature,
-        "total_steps": total_steps, "iteration": iteration})
+        "trainer": _result_settings(cfg, _training_device(cluster, device)), "algorithm": algorithm,
+        "temperature": temperature, "total_steps": total_steps, "iteration": iteration, **({"lora": lora} if lora else {})})
     if (done := completed_outputs(record, resume, f"iteration {iteration} training")) is not None:
         return done["checkpoint"]
     lag = check_staleness(steps_uri, iteration, cfg.max_staleness)
     job = _job(run, iteration, steps_uri, advantages_uri, policy_dir, cfg, algorithm, temperature, total_steps,
-               background_save=cfg.background_save and _in_process(cluster))
+               background_save=cfg.background_save and _in_process(cluster), device=_job_device(cluster, device))
+    if lora is not None:
+        job = dataclasses.replace(job, lora=lora)
     started_at = time.time()
     with stage_progress("train", f"train iteration {iteration}", "micro-batches"):
         results, rows_trained = _run_job(job, cluster)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from agent_core.config import RewardConfig, RolloutConfig, WarmStartConfig
 from agent_core.data.oracle import OracleEngine, rag_demonstrations
+from agent_core.devices import resolve_device
 from agent_core.io.checkpoints import load_policy, load_tokenizer, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
@@ -83,8 +84,9 @@ def _selected_episodes(steps_uri: str, rewards_uri: str, sql: str) -> list[list[
 
 @stage_task(name="warm_start")
 def warm_start(run: RunLayout, steps_uri: str, rewards_uri: str, cfg: WarmStartConfig, micro_batch_tokens: int,
-               policy_dir: str, seed: int, resume: bool = True) -> str:
-    """Fine-tune the policy of `policy_dir` on the episodes `cfg.selection_sql` picks; return where it is."""
+               policy_dir: str, seed: int, resume: bool = True, device: str = "auto") -> str:
+    """Fine-tune the policy of `policy_dir` on the episodes `cfg.selection_sql` picks; return where it is.
+    device: where it trains (the run's `device` setting; not compared by the manifest)."""
     log = stage_logger("warm_start")
     record = StageRecord(run.manifest_path("warm_start"), "warm_start",
                          inputs={"steps": steps_uri, "rewards": rewards_uri, "policy": policy_dir},
@@ -95,7 +97,7 @@ def warm_start(run: RunLayout, steps_uri: str, rewards_uri: str, cfg: WarmStartC
     if not episodes:
         raise ValueError(f"warm start: {cfg.selection_sql!r} selected no episode of {steps_uri}")
     sequences = choose_layout(episodes, "auto")
-    model, tokenizer = load_policy(Path(policy_dir))
+    model, tokenizer = load_policy(Path(policy_dir), device=resolve_device(device))
     optimizer = make_optimizer(model, lr=cfg.lr)
     results = sft_train(model, optimizer, sequences, pad_id=tokenizer.pad_token_id, epochs=cfg.epochs,
                         batch_size=cfg.batch_size, micro_batch_tokens=micro_batch_tokens, seed=seed,

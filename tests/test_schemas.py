@@ -45,7 +45,7 @@ EXPECTED_SCHEMAS = {
                       ("pg_loss", F64, False), ("vf_loss", F64, True), ("entropy", F64, False), ("kl", F64, False),
                       ("clipfrac", F64, False), ("grad_norm", F64, False), ("lr", F64, False), ("tokens", I64, False),
                       ("tokens_per_s", F64, False), ("seconds", F64, False), ("skipped", B, False), ("skip_reason", S, True),
-                      ("started_at", F64, False), ("finished_at", F64, False)],
+                      ("started_at", F64, False), ("finished_at", F64, False), ("oom_splits", I32, False)],
     "eval": [("eval_id", S, False), ("method", S, False), ("checkpoint", S, False), ("data_source", S, False),
              ("split", S, False), ("seed", I32, False), ("prompt_id", S, False), ("prediction", S, False),
              ("em", F64, False), ("f1", F64, False), ("format_ok", B, False), ("steps", I32, False),

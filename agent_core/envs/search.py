@@ -97,6 +97,14 @@ def corpus_key(documents: Sequence[Document]) -> bytes:
     return digest.digest()
 
 
+def clear_shared_indexes() -> int:
+    """Drop every shared index (a run's resources end with the run); how many there were."""
+    with _shared_lock:
+        count = len(_shared)
+        _shared.clear()
+        return count
+
+
 def shared_index(documents: Sequence[Document]) -> Bm25Index:
     """The BM25 index of `documents`, built on the first call for this corpus and reused after.
 

@@ -59,6 +59,7 @@ class EvalSettings:
     `seed`. top_k: passages per retrieval (naive_rag's one retrieval, and each search call).
     tool_format: the search_qa env's tool-call format. instructions: whether the env adds its tool
     instructions to the system message (as in training). engine: a name in the ENGINES registry.
+    device: where an in-process (hf) engine's model lives: a `device` setting (agent_core/devices.py).
     """
 
     seed: int = 0
@@ -73,6 +74,7 @@ class EvalSettings:
     engine: str = "hf"
     max_batch_size: int = 64
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.greedy and self.temperature <= 0:
@@ -189,7 +191,7 @@ def _with_policy(episodes_fn) -> EvalMethod:
         factory = ENGINES.get(settings.engine)
         tokenizer = load_tokenizer(Path(policy_dir))
         options = EngineOptions(max_batch_size=settings.max_batch_size, max_model_len=settings.max_context_tokens,
-                                vllm=settings.vllm)
+                                vllm=settings.vllm, device=settings.device)
         engine = factory(Path(policy_dir), options)
         try:
             return episodes_fn(engine, tokenizer, list(prompts), list(documents), settings)

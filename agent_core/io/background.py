@@ -91,6 +91,23 @@ def wait_quietly() -> None:
         log.error("%s", error)
 
 
+def close() -> None:
+    """`wait_quietly`, then stop the writer thread (a run's resources end with the run,
+    agent_core/run_resources.py); a later `submit` starts a new one."""
+    global _executor
+    wait_quietly()
+    with _lock:
+        executor, _executor = _executor, None
+    if executor is not None:
+        executor.shutdown(wait=True)
+
+
+def running() -> bool:
+    """Whether a writer thread exists (for tests of what a run leaves behind)."""
+    with _lock:
+        return _executor is not None
+
+
 def pending() -> list[str]:
     """Labels of the jobs not finished yet (for logs and tests)."""
     with _lock:

@@ -1,4 +1,6 @@
-"""Checkpoints on disk. A policy: safetensors weights + config + tokenizer in one directory. A critic:
+"""Checkpoints on disk. A policy: safetensors weights + config + tokenizer in one directory (or a LoRA
+adapter + the path of such a directory: agent_core/io/lora_checkpoints.py, which `load_policy` and
+`check_checkpoint` read too). A critic:
 the backbone's ``save_pretrained`` output (config.json + safetensors), ``value_head.safetensors``
 and ``critic.json``; the model it is loaded into (``ValueModel``) is agent_core.training.critic's,
 so here a critic is written from and read into its parts.
@@ -28,21 +30,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from agent_core.failpoints import failpoint
+from agent_core.io.checkpoint_files import (  # noqa: F401  (CheckpointError, swap_into_place: re-exported)
+    TOKENIZER_FILES as _TOKENIZER_FILES,
+    CheckpointError,
+    check_full_checkpoint,
+    swap_into_place,
+)
 
 # Where `make smollm2` converts SmolLM2-135M-Instruct to (relative to the working directory, as in the Makefile).
 DEFAULT_SMOLLM2_DIR = Path("data/models/smollm2-135m-instruct")
 
-_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model.bin", "pytorch_model-*.bin")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _GGUF_PIN = "gguf==0.19.0"
 _ACCELERATE_PIN = "accelerate==1.15.0"  # transformers refuses to read GGUF without it
 _CRITIC_HEAD_FILE = "value_head.safetensors"
 _CRITIC_META_FILE = "critic.json"
 _CRITIC_FORMAT = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing or incomplete; the message names it and what is missing."""
 
 
 def save_policy(model, tokenizer, directory: Path) -> Path:
@@ -61,15 +63,36 @@ def save_policy(model, tokenizer, directory: Path) -> Path:
     return directory
 
 
-def load_policy(directory: Path, *, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) from a local checkpoint directory, as loaded (train/eval is the caller's)."""
+def load_policy(directory: Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    """Load (model, tokenizer) from a local checkpoint directory, as loaded (train/eval is the caller's);
+    the model on `device` (None: the CPU, where transformers loads it; a run passes its resolved
+    `device` setting, agent_core/devices.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory = Path(directory)
     check_checkpoint(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    if (directory / "lora_base.json").is_file():  # a base + adapter (lora_checkpoints.py)
+        from agent_core.io.lora_checkpoints import load_lora_model
+
+        model = load_lora_model(directory, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    if device is not None:
+        model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return model, tokenizer
+
+
+def save_merged_policy(directory: Path, target: Path) -> Path:
+    """The LoRA checkpoint at `directory` as a full checkpoint at `target`: its base with the adapter
+    merged into the weights (what a registered MLflow model ships: it loads with transformers alone)."""
+    from transformers import AutoTokenizer
+
+    from agent_core.io.lora_checkpoints import load_lora_model, merge_lora
+
+    model = merge_lora(load_lora_model(directory))
+    tokenizer = AutoTokenizer.from_pretrained(Path(directory), local_files_only=True)
+    return save_policy(model, tokenizer, target)
 
 
 def load_tokenizer(directory: Path):
@@ -100,16 +123,11 @@ def check_checkpoint(directory: Path) -> Path:
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
-    missing = []
-    if not (directory / "config.json").is_file():
-        missing.append("config.json")
-    if not any(any(directory.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
-        missing.append(f"weights (one of {', '.join(_WEIGHT_PATTERNS)})")
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
-        missing.append(f"tokenizer (one of {', '.join(_TOKENIZER_FILES)})")
-    if missing:
-        raise CheckpointError(f"checkpoint directory {directory} is missing {'; '.join(missing)}")
-    return directory
+    if (directory / "lora_base.json").is_file():  # an adapter on a base checkpoint (lora_checkpoints.py)
+        from agent_core.io.lora_checkpoints import check_lora_checkpoint
+
+        return check_lora_checkpoint(directory)
+    return check_full_checkpoint(directory)
 
 
 def save_critic(critic: torch.nn.Module, directory: Path) -> Path:
@@ -132,8 +150,10 @@ def save_critic(critic: torch.nn.Module, directory: Path) -> Path:
     return directory
 
 
-def load_critic_parts(directory: Path, *, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, dict]:
-    """(backbone, value head state dict) of a critic written by ``save_critic`` (offline)."""
+def load_critic_parts(directory: Path, *, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str | None = None) -> tuple[torch.nn.Module, dict]:
+    """(backbone, value head state dict) of a critic written by ``save_critic`` (offline); the
+    backbone and the head's tensors on `device` (None: the CPU)."""
     from transformers import AutoModel
 
     directory = Path(directory)
@@ -145,7 +165,9 @@ def load_critic_parts(directory: Path, *, dtype: torch.dtype = torch.float32) ->
     if found != _CRITIC_FORMAT:
         raise ValueError(f"critic directory {directory} has format {found!r}; this code reads {_CRITIC_FORMAT}")
     backbone = AutoModel.from_pretrained(directory, dtype=dtype, local_files_only=True)
-    return backbone, load_file(str(directory / _CRITIC_HEAD_FILE))
+    if device is not None:
+        backbone.to(device)
+    return backbone, load_file(str(directory / _CRITIC_HEAD_FILE), device=str(device or "cpu"))
 
 
 def find_smollm2_gguf(models_dir: Path, scratch: Path) -> Path | None:
@@ -221,20 +243,3 @@ def _importable(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
-
-
-def swap_into_place(staging: Path, directory: Path) -> None:
-    if not directory.exists():
-        staging.rename(directory)
-        return
-    if not directory.is_dir():
-        raise CheckpointError(f"cannot write a checkpoint to {directory}: it exists and is not a directory")
-    retired = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
-    directory.rename(retired)
-    failpoint("checkpoint:old_moved_aside")
-    try:
-        staging.rename(directory)
-    except BaseException:
-        retired.rename(directory)  # put the previous checkpoint back rather than leave nothing
-        raise
-    shutil.rmtree(retired, ignore_errors=True)

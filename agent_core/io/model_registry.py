@@ -20,6 +20,7 @@ import json
 import math
 import re
 import shutil
+import tempfile
 import uuid
 import warnings
 from collections.abc import Iterable
@@ -30,8 +31,9 @@ from agent_core.io.mlflow_env import mlflow_env  # noqa: F401  (first: it sets M
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from agent_core.io.checkpoints import check_checkpoint, swap_into_place  # noqa: E402
+from agent_core.io.checkpoints import check_checkpoint, save_merged_policy, swap_into_place  # noqa: E402
 from agent_core.io.layout import DataRoot  # noqa: E402
+from agent_core.io.lora_checkpoints import is_lora_checkpoint  # noqa: E402
 from agent_core.io.mlflow_store import reroot_store, sqlite_store_path  # noqa: E402
 
 RUN_ID_TAG = "agentr1.run_id"
@@ -85,11 +87,20 @@ def _signature():
 
 def save_policy_model(checkpoint_dir: Path, path: Path) -> Path:
     """Save the checkpoint at `checkpoint_dir` as an MLflow pyfunc model in `path` (which must not
-    exist); the checkpoint lands in `path/artifacts/checkpoint`. Nothing is loaded: no weights are
-    read and no input example is run, so this costs a file copy."""
+    exist); the checkpoint lands in `path/artifacts/checkpoint`. For a full checkpoint nothing is
+    loaded (no weights read, no input example run), so this costs a file copy. A LoRA checkpoint
+    (adapter + base path) is loaded and merged into a full one first, so the model loads with
+    transformers alone, without peft or the run's base checkpoint."""
+    checkpoint_dir = check_checkpoint(Path(checkpoint_dir))
+    with tempfile.TemporaryDirectory(prefix="agentr1-merged-") as scratch:
+        if is_lora_checkpoint(checkpoint_dir):
+            checkpoint_dir = save_merged_policy(checkpoint_dir, Path(scratch) / "checkpoint")
+        return _save_pyfunc(checkpoint_dir, Path(path))
+
+
+def _save_pyfunc(checkpoint_dir: Path, path: Path) -> Path:
     import mlflow.pyfunc
 
-    checkpoint_dir = check_checkpoint(Path(checkpoint_dir))
     with warnings.catch_warnings():
         # Without an input example MLflow warns on every save; an example would load the model just
         # to save it. Its hint to add type hints to `predict` is raised under a "once" filter that

@@ -3,14 +3,25 @@
 The factories read the checkpoint themselves (agent_core.io.checkpoints, a layer below): each
 engine loads what it needs of it (the hf engine the model, the vLLM engine only the tokenizer, its
 server reads the weights), so callers pass the directory rather than a loaded model.
+
+Placement: `EngineOptions.device` is the run's `device` setting (auto, cpu, cuda, cuda:N), resolved
+where the engine is built (agent_core/devices.py; on a Ray replica, in its process). Colocation: with
+a lender installed (`lending`, which agent_core/run_resources.py uses for the trainer's resident
+policy), the hf engine borrows the module already in memory for that checkpoint instead of loading
+a second copy, and gives it back on `close_engine`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from agent_core.devices import resolve_device
 from agent_core.io.checkpoints import load_policy, load_tokenizer
 from agent_core.registry import Registry
 from agent_core.rollout.engine import Engine
@@ -20,22 +31,44 @@ from agent_core.rollout.vllm_server import VLLMOptions
 @dataclass(frozen=True)
 class EngineOptions:
     """max_batch_size: sequences per forward pass (per request for vLLM). max_model_len: the longest
-    context + action the engine must hold (vLLM sizes its server by it). vllm: how a vLLM server runs."""
+    context + action the engine must hold (vLLM sizes its server by it). vllm: how a vLLM server runs.
+    device: where an in-process model lives (the run's `device` setting, resolved when built)."""
 
     max_batch_size: int = 64
     max_model_len: int = 2048
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    device: str = "auto"
 
 
 EngineFactory = Callable[[Path, EngineOptions], Engine]
 ENGINES: Registry[EngineFactory] = Registry("engine")
+
+# (checkpoint directory, device) -> a lease (.model, .tokenizer, .release()) on a module already in
+# memory, or None; set only inside `lending` (a run's resources), never left behind.
+Lender = Callable[[Path, torch.device], object | None]
+_lender: Lender | None = None
+
+
+@contextmanager
+def lending(lender: Lender) -> Iterator[None]:
+    """Within the block, hf engines first ask `lender` for the checkpoint's module (colocation)."""
+    global _lender
+    previous, _lender = _lender, lender
+    try:
+        yield
+    finally:
+        _lender = previous
 
 
 @ENGINES.register("hf")
 def _hf_engine(policy_dir: Path, options: EngineOptions) -> Engine:
     from agent_core.rollout.hf_engine import HFEngine  # transformers: imported only when an hf engine is built
 
-    model, tokenizer = load_policy(policy_dir)
+    device = resolve_device(options.device)
+    lease = _lender(Path(policy_dir), device) if _lender is not None else None
+    if lease is not None:  # the trainer's own module: one copy of the weights, no reload
+        return HFEngine(lease.model, lease.tokenizer, max_batch_size=options.max_batch_size, release=lease.release)
+    model, tokenizer = load_policy(policy_dir, device=device)
     return HFEngine(model, tokenizer, max_batch_size=options.max_batch_size)
 
 

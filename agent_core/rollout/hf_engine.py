@@ -20,7 +20,7 @@ touched. An unseeded call samples with transformers' own multinomial from the gl
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import (
@@ -44,16 +44,25 @@ class HFEngine:
     An unseeded call samples from the global RNG, and its samples depend on the batch.
     """
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int = 64):
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 64, release: Callable[[], None] | None = None):
+        """release: called once by `close()`, for a module the engine borrowed (the trainer's resident
+        policy, agent_core/training/resident.py) rather than loaded."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self._release = release
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
             raise ValueError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
         self.pad_token_id = pad
+
+    def close(self) -> None:
+        """Give a borrowed module back (nothing for one the engine loaded); the engine is not used after."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """One continuation per prompt, in order (see the Engine protocol)."""
@@ -118,8 +127,10 @@ class HFEngine:
 
     @contextlib.contextmanager
     def _generation_mode(self):
-        """eval() and a neutral model generation config for the call; both restored afterwards."""
-        was_training = self.model.training
+        """eval(), no autograd and a neutral model generation config for the call; the mode of every
+        submodule and the config restored afterwards (a borrowed module goes back to the trainer
+        exactly as it came: a loaded critic or policy may mix train- and eval-mode submodules)."""
+        modes = {name: sub.training for name, sub in self.model.named_modules()}
         model_config = self.model.generation_config
         self.model.eval()
         self.model.generation_config = GenerationConfig()
@@ -128,7 +139,8 @@ class HFEngine:
                 yield
         finally:
             self.model.generation_config = model_config
-            self.model.train(was_training)
+            for name, sub in self.model.named_modules():
+                sub.training = modes.get(name, sub.training)
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

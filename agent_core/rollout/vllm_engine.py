@@ -12,6 +12,12 @@ Servers outlive a rollout: one server per (interpreter, architecture, context le
 in a process-wide pool, and the next policy checkpoint's weights are loaded into it in place
 (`VLLMServer.reload`), which takes milliseconds instead of a ~35 s restart. `shutdown_servers`
 (also run at interpreter exit) stops them; flows call it when they end.
+
+Between rollouts (the last open engine on a server closed: the rollout ended, training starts) a
+kept server sleeps when `sleeps_between_rollouts` (GPU; rollout.vllm.sleep_mode), so the trainer on
+the same device gets its memory; `pooled_server` wakes it before loading the next policy, and a
+generate call never reaches a sleeping server. A LoRA policy's adapter is loaded under a new name
+per version and the requests name it (vllm_server.py).
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ import httpx
 from agent_core.io.checkpoints import load_tokenizer
 from agent_core.rollout.chat import eos_token_ids
 from agent_core.rollout.engine import Generation, SamplingParams, check_request, seeds_of
+from agent_core.rollout.vllm_checkpoints import architecture_key, lora_checkpoint
 from agent_core.rollout.vllm_server import (
-    SERVED_NAME, ExternalVLLMServer, VLLMOptions, VLLMServer, VLLMServerError, architecture_key, vllm_python,
+    ExternalVLLMServer, VLLMOptions, VLLMServer, VLLMServerError, vllm_python,
 )
 
 _POOL: dict[tuple, VLLMServer] = {}
@@ -51,6 +58,9 @@ class VLLMEngine:
         self.max_batch_size = max_batch_size
         self.max_concurrent_calls = max_concurrent_calls
         self._requests = ThreadPoolExecutor(max_workers=max(4, max_batch_size), thread_name_prefix="vllm-request")
+        self._closed = False
+        with _POOL_LOCK:
+            server.users += 1
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """One continuation per prompt, in order (see the Engine protocol).
@@ -62,6 +72,7 @@ class VLLMEngine:
         check_request(prompts, params)
         if not prompts:
             return []
+        _awake(self.server)
         stop_ids = list(params.stop_token_ids) or list(eos_token_ids(self.tokenizer))
         # ids outside the vocabulary can never be sampled (the HF engine simply never meets them); vLLM rejects them
         stop_ids = [t for t in stop_ids if 0 <= t < len(self.tokenizer)]
@@ -81,7 +92,7 @@ class VLLMEngine:
     def _complete(self, prompts: list[list[int]], params: SamplingParams, stop_ids: list[int],
                   seed: int | None) -> list[Generation]:
         body = {
-            "model": SERVED_NAME, "prompt": prompts, "max_tokens": params.max_new_tokens,
+            "model": self.server.model_name, "prompt": prompts, "max_tokens": params.max_new_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "logprobs": 0,
             "return_token_ids": True, "stop_token_ids": stop_ids, "ignore_eos": True,
             "skip_special_tokens": False, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -95,11 +106,50 @@ class VLLMEngine:
         return [_generation(choice, set(stop_ids)) for choice in choices]
 
     def close(self) -> None:
-        """Release this engine; the server stays in the pool for the next rollout, unless its options
-        say not to keep it (`keep_server: false`: its memory goes back before training)."""
+        """Release this engine. When it was the server's last one (the rollout ended, training is next) the
+        server stays in the pool for the next rollout, asleep if it sleeps between rollouts, or is
+        stopped when its options say not to keep it (`keep_server: false`: its memory goes back)."""
+        if self._closed:
+            return
+        self._closed = True
         self._requests.shutdown(wait=False)
+        with _POOL_LOCK:
+            self.server.users -= 1
+            last = self.server.users <= 0
+        if not last:
+            return  # another engine (a replica's next one) still serves from it
         if not self.server.options.keep_server:
             release_server(self.server)
+        elif getattr(self.server, "sleeps_between_rollouts", False):
+            _put_to_sleep(self.server)
+
+
+def _put_to_sleep(server: VLLMServer) -> None:
+    with _POOL_LOCK:
+        if server.users > 0 or server.asleep or not server.alive:
+            return
+        started = time.perf_counter()
+        try:
+            server.sleep()
+        except VLLMServerError as error:  # training can still run; it only has less memory
+            print(f"vllm: the server on port {server.port} could not sleep ({error}); it keeps its memory")
+            return
+    print(f"vllm: the server on port {server.port} sleeps while training runs ({time.perf_counter() - started:.1f} s)")
+
+
+def _awake(server: VLLMServer) -> None:
+    """Wake `server` if it sleeps (level 1 kept its weights): no request may reach a sleeping server."""
+    if getattr(server, "asleep", False):
+        with _POOL_LOCK:
+            _wake(server)
+
+
+def _wake(server: VLLMServer) -> None:
+    """(Under _POOL_LOCK.)"""
+    if server.asleep:
+        started = time.perf_counter()
+        server.wake_up()
+        print(f"vllm: woke the server on port {server.port} in {time.perf_counter() - started:.1f} s")
 
 
 def _generation(choice: dict, stop_ids: set[int]) -> Generation:
@@ -112,8 +162,12 @@ def _generation(choice: dict, stop_ids: set[int]) -> Generation:
 
 
 def pooled_server(policy_dir: Path, max_model_len: int, options: VLLMOptions) -> VLLMServer:
-    """A healthy server holding `policy_dir`'s weights: reused and reloaded in place when possible."""
-    key = (str(vllm_python(options)), architecture_key(policy_dir), max_model_len, options)
+    """A healthy, awake server serving `policy_dir` (its weights, or its LoRA adapter on its base model):
+    reused, woken and loaded in place when possible."""
+    policy_dir = Path(policy_dir)
+    lora = lora_checkpoint(policy_dir)
+    model_dir = lora.base_dir if lora else policy_dir
+    key = (str(vllm_python(options)), architecture_key(model_dir), max_model_len, options)
     with _POOL_LOCK:
         server = _POOL.get(key)
         if server is not None and not server.alive:
@@ -123,25 +177,39 @@ def pooled_server(policy_dir: Path, max_model_len: int, options: VLLMOptions) ->
             del _POOL[key]
             server = None
         if server is None:
-            server = VLLMServer(Path(policy_dir), max_model_len, options).start()
+            server = _start(model_dir, max_model_len, options, lora.rank if lora else None)
             _POOL[key] = server
-        elif server.loaded_dir != Path(policy_dir):
-            server = _POOL[key] = _load_weights(server, Path(policy_dir))
+        _wake(server)  # before anything else reaches it: a sleeping server has no weights on the GPU
+        if server.loaded_dir != policy_dir:
+            server = _POOL[key] = _load_weights(server, policy_dir)
         return server
 
 
+def _start(model_dir: Path, max_model_len: int, options: VLLMOptions, lora_rank: int | None,
+           restarts: int = 0) -> VLLMServer:
+    return VLLMServer(model_dir, max_model_len, options, lora_rank=lora_rank, restarts=restarts).start()
+
+
 def _load_weights(server: VLLMServer, policy_dir: Path) -> VLLMServer:
-    """`server` with `policy_dir`'s weights loaded in place, or a restarted server holding them."""
-    if server.options.weight_sync == "reload":
+    """`server` serving `policy_dir`, loaded in place, or a restarted server serving it. A LoRA adapter
+    needs a server started with --enable-lora on its base model for its rank: otherwise it restarts."""
+    lora = lora_checkpoint(policy_dir)
+    fits = lora is None or (server.lora_rank is not None and lora.rank <= server.lora_rank
+                            and Path(server.model_dir).resolve() == lora.base_dir)
+    if server.options.weight_sync == "reload" and fits:
         try:
-            seconds = server.reload(policy_dir)
-            print(f"vllm: loaded {policy_dir.name} into the running server in {seconds * 1000:.0f} ms")
+            seconds = server.load(policy_dir)
+            what = f"the adapter {policy_dir.name} as {server.adapter_name}" if lora else policy_dir.name
+            print(f"vllm: loaded {what} into the running server in {seconds * 1000:.0f} ms")
             return server
         except (VLLMServerError, httpx.HTTPError) as error:
             print(f"vllm: in-place reload failed ({error}); restarting the server")
     started = time.perf_counter()
     server.stop()
-    fresh = VLLMServer(policy_dir, server.max_model_len, server.options, restarts=server.restarts + 1).start()
+    model_dir = lora.base_dir if lora else policy_dir
+    fresh = _start(model_dir, server.max_model_len, server.options, lora.rank if lora else None, server.restarts + 1)
+    if lora:
+        fresh.load_adapter(policy_dir)
     print(f"vllm: restarted the server with {policy_dir.name} in {time.perf_counter() - started:.0f} s")
     return fresh
 
@@ -159,7 +227,7 @@ def external_engine(url: str, policy_dir: Path, options) -> "VLLMEngine":
                                                          url=url).start()
             server.loaded_dir = None  # unknown: what it serves is replaced by the policy below
         if server.loaded_dir != Path(policy_dir):
-            server.reload(Path(policy_dir))
+            server.load(Path(policy_dir))  # a LoRA adapter needs the server started with --enable-lora
     return VLLMEngine(server, load_tokenizer(Path(policy_dir)), max_batch_size=options.max_batch_size,
                       max_concurrent_calls=options.vllm.max_concurrent_calls)
 
@@ -187,8 +255,8 @@ def shutdown_servers() -> None:
 def server_stats() -> list[dict]:
     """Per pooled server: port, loaded checkpoint, in-place reloads and restarts (for reports and tests)."""
     with _POOL_LOCK:
-        return [{"port": s.port, "loaded_dir": str(s.loaded_dir), "reloads": s.reloads, "restarts": s.restarts}
-                for s in _POOL.values()]
+        return [{"port": s.port, "loaded_dir": str(s.loaded_dir), "reloads": s.reloads, "restarts": s.restarts,
+                 "adapter": s.adapter_name, "sleeps": s.sleeps, "asleep": s.asleep} for s in _POOL.values()]
 
 
 atexit.register(shutdown_servers)

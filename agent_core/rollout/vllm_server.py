@@ -12,6 +12,12 @@ belong to the old weights); `restart` is the fallback when the architecture chan
 server refuses. The worker extension (`vllm_ext/agentr1_vllm_ext.py`, imported by vLLM's workers,
 not by us) also re-packs the output layer after a reload, which the CPU backend keeps as a separate
 copy for models with tied embeddings.
+
+A LoRA policy (a checkpoint folder with peft's adapter_config.json, agent_core/rollout/vllm_checkpoints.py)
+runs on a server started on its base model with `--enable-lora`; each version's adapter is loaded
+at runtime under a new name (`load_adapter`), and requests name it as their model (`model_name`).
+Sleep (`sleep` / `wake_up`, `--enable-sleep-mode`, GPU only: vLLM refuses the flag on CPU) frees
+the server's GPU memory while the trainer runs on the same device.
 """
 
 from __future__ import annotations
@@ -29,15 +35,13 @@ from pathlib import Path
 
 import httpx
 
+from agent_core.rollout.vllm_checkpoints import VLLMServerError, check_cpu_head_size, lora_checkpoint, vllm_lora_rank
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 EXTENSION_CLASS = "agentr1_vllm_ext.WeightReloadExtension"
 SERVED_NAME = "policy"
-
-
-class VLLMServerError(RuntimeError):
-    """The vLLM server could not be started, died, or refused a request."""
 
 
 class VLLMNotInstalledError(VLLMServerError):
@@ -54,6 +58,9 @@ class VLLMOptions:
     dtype: "auto" keeps the checkpoint's; the CPU backend here is exact in float32.
     weight_sync: "reload" (in place, falls back to a restart) or "restart".
     keep_server: False stops a pooled server when the engine of its rollout is closed.
+    sleep_mode: put a kept server to sleep when its last engine is closed (a rollout's end, before
+      training) and wake it before the next rollout. auto: on GPU only; always: also on CPU, where
+      vLLM's sleep does nothing (no --enable-sleep-mode there; it only exercises the calls); never.
     startup_timeout_s: how long to wait for /health before giving up.
     max_concurrent_calls: generate calls the agent loop may have in flight at once.
     extra_args: more server flags, verbatim.
@@ -65,6 +72,7 @@ class VLLMOptions:
     dtype: str = "float32"
     weight_sync: str = "reload"
     keep_server: bool = True
+    sleep_mode: str = "auto"
     startup_timeout_s: float = 300.0
     max_concurrent_calls: int = 8
     extra_args: tuple[str, ...] = ()
@@ -98,9 +106,16 @@ class VLLMServer:
     options: VLLMOptions = field(default_factory=VLLMOptions)
     port: int = 0
     process: subprocess.Popen | None = None
-    loaded_dir: Path | None = None  # the checkpoint whose weights the server holds now
+    loaded_dir: Path | None = None  # the checkpoint the server serves now (an adapter's folder for LoRA)
     reloads: int = 0
     restarts: int = 0
+    lora_rank: int | None = None  # set: started with --enable-lora for adapters up to this rank
+    adapter_name: str | None = None  # the LoRA adapter requests name; None = the model itself
+    adapter_loads: int = 0
+    on_cpu: bool | None = None  # None: decided at start (_on_cpu); tests set it to build a GPU command
+    asleep: bool = False
+    sleeps: int = 0
+    users: int = 0  # open engines on this server (vllm_engine): it sleeps when the last one closes
     _output: deque = field(default_factory=lambda: deque(maxlen=200))
     _first_errors: list = field(default_factory=list)  # the first error lines: a crash's cause, before its echoes
     _drainer: threading.Thread | None = None  # reads the server's output into _output
@@ -109,10 +124,24 @@ class VLLMServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def model_name(self) -> str:
+        """What a request names as its model: the current LoRA adapter, else the served model."""
+        return self.adapter_name or SERVED_NAME
+
+    @property
+    def sleeps_between_rollouts(self) -> bool:
+        """Whether the server sleeps while nobody generates (rollout.vllm.sleep_mode; a server that is not
+        kept is stopped instead)."""
+        mode = self.options.sleep_mode
+        return self.options.keep_server and (mode == "always" or (mode == "auto" and self.on_cpu is False))
+
     def start(self) -> "VLLMServer":
         python = vllm_python(self.options)
         self.port = free_port()
-        on_cpu = _on_cpu()
+        if self.on_cpu is None:
+            self.on_cpu = _on_cpu()
+        on_cpu = self.on_cpu
         if on_cpu:
             check_cpu_head_size(self.model_dir)
         command = self.command(python, on_cpu)
@@ -144,12 +173,19 @@ class VLLMServer:
             command += ["--kv-cache-memory-bytes", str(kv_cache_bytes(self.options.kv_cache_gib))]
         else:
             command += ["--gpu-memory-utilization", str(self.options.gpu_memory_utilization)]
+            if self.options.keep_server and self.options.sleep_mode != "never":
+                command.append("--enable-sleep-mode")  # vLLM refuses it on CPU, where sleep does nothing anyway
+        if self.lora_rank is not None:
+            # one adapter at a time: each policy version replaces the last (unloaded after the next one loads)
+            command += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(self.lora_rank)), "--max-loras", "1"]
         return command + list(self.options.extra_args)
 
     def _environment(self) -> dict:
         env = dict(os.environ)
+        if self.lora_rank is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter exists only with it
         env.update(
-            VLLM_SERVER_DEV_MODE="1",
+            VLLM_SERVER_DEV_MODE="1",  # /collective_rpc, /reset_prefix_cache, /sleep and /wake_up
             VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"), VLLM_NO_USAGE_STATS="1",
             HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
             PYTHONPATH=os.pathsep.join(filter(None, [str(EXTENSION_DIR), env.get("PYTHONPATH")])),
@@ -215,13 +251,51 @@ class VLLMServer:
                 f"on the next rollout. Its last output:\n{self.output_tail()}"
             )
 
+    def load(self, policy_dir: Path) -> float:
+        """Serve `policy_dir` from the next request on: its adapter (a LoRA checkpoint) or its weights,
+        loaded in place; the seconds it took."""
+        if lora_checkpoint(policy_dir) is not None:
+            return self.load_adapter(policy_dir)
+        if self.lora_rank is not None and Path(policy_dir).resolve() == Path(self.model_dir).resolve():
+            self.loaded_dir, self.adapter_name = Path(policy_dir), None  # the base model itself, no adapter
+            return 0.0
+        return self.reload(policy_dir)
+
     def reload(self, model_dir: Path) -> float:
         """Load `model_dir`'s weights into the running server; the seconds it took."""
         started = time.perf_counter()
         self.post("/collective_rpc", {"method": "reload_policy_weights", "kwargs": {"weights_path": str(model_dir)}})
         self.post("/reset_prefix_cache", None)  # cached KV blocks were computed with the old weights
-        self.loaded_dir, self.reloads = Path(model_dir), self.reloads + 1
+        self.loaded_dir, self.reloads, self.adapter_name = Path(model_dir), self.reloads + 1, None
         return time.perf_counter() - started
+
+    def load_adapter(self, adapter_dir: Path) -> float:
+        """Load a LoRA adapter under a new name (vLLM's prefix cache and adapter cache key on the name, so a
+        reused one could serve the old version); the previous adapter is unloaded after."""
+        if self.lora_rank is None:
+            raise VLLMServerError(f"the vLLM server on port {self.port} was started without --enable-lora; "
+                                  f"it cannot load the adapter {adapter_dir}")
+        started = time.perf_counter()
+        name, previous = f"policy-v{self.adapter_loads + 1}", self.adapter_name
+        self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)})
+        self.loaded_dir, self.adapter_name, self.adapter_loads = Path(adapter_dir), name, self.adapter_loads + 1
+        if previous is not None:
+            try:
+                self.post("/v1/unload_lora_adapter", {"lora_name": previous})
+            except VLLMServerError as error:  # it only holds memory; the new adapter is served either way
+                print(f"vllm: could not unload the old adapter {previous}: {error}")
+        return time.perf_counter() - started
+
+    def sleep(self) -> None:
+        """Free the server's GPU memory for training: level 1 offloads the weights to CPU memory and drops the
+        KV cache (vLLM aborts requests still in flight, so only call it when no engine is generating)."""
+        self.post("/sleep?level=1", None)
+        self.asleep, self.sleeps = True, self.sleeps + 1
+
+    def wake_up(self) -> None:
+        """Bring the weights back and re-allocate the KV cache (before any request)."""
+        self.post("/wake_up", None)
+        self.asleep = False
 
     def post(self, path: str, payload: dict | None, timeout: float = 600.0) -> dict:
         self.check_alive()
@@ -233,7 +307,10 @@ class VLLMServer:
         if response.status_code != 200:
             tail = f"\nThe server's last output:\n{self.output_tail(15)}" if response.status_code >= 500 else ""
             raise VLLMServerError(f"vLLM {path} answered {response.status_code}: {response.text[:2000]}{tail}")
-        return response.json() if response.content else {}
+        try:
+            return response.json() if response.content else {}
+        except ValueError:  # some endpoints (load_lora_adapter) answer plain text
+            return {"text": response.text}
 
     def stop(self) -> None:
         """SIGTERM the process group (clean in ~2 s), SIGKILL it if it lingers."""
@@ -264,31 +341,6 @@ def _on_cpu() -> bool:
         return True
 
 
-# vLLM 0.32's CPU attention backend (CPUAttentionBackend.get_supported_head_sizes)
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def check_cpu_head_size(model_dir: Path) -> None:
-    """Fail before a 30 s start when the CPU backend cannot run the model's attention (it would
-    only fail at the first request, killing the server)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if head_dim not in CPU_HEAD_SIZES:
-        raise VLLMServerError(
-            f"{model_dir} has attention head size {head_dim} (hidden_size {config['hidden_size']} / "
-            f"{config['num_attention_heads']} heads); vLLM's CPU backend supports {list(CPU_HEAD_SIZES)}. "
-            "Choose policy.hidden_size / policy.num_heads to match (e.g. 64 / 2), or use engine: hf."
-        )
-
-
-def architecture_key(model_dir: Path) -> str:
-    """What must match for a reload to be possible: the model config minus fields weights don't change."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
-        config.pop(volatile, None)
-    return json.dumps(config, sort_keys=True)
-
-
 @dataclass
 class ExternalVLLMServer(VLLMServer):
     """A vLLM OpenAI-compatible server someone else runs, at `url` (`cluster.replica_urls`).
@@ -315,6 +367,10 @@ class ExternalVLLMServer(VLLMServer):
     def check_alive(self) -> None:
         if not self.alive:
             raise VLLMServerError(f"the external vLLM server at {self.base_url} does not answer /health")
+
+    @property
+    def sleeps_between_rollouts(self) -> bool:
+        return False  # not ours to put to sleep
 
     def start(self) -> "ExternalVLLMServer":
         self.check_alive()

@@ -14,6 +14,10 @@ In one process with `background_save` (trainer.background_save), the checkpoint 
 written before `run_training` returns (the next rollout and advantages read them), and the
 optimizer states on the writer thread (agent_core/io/background.py), which the next
 `run_training` waits for before it reads anything.
+
+Placement: the policy and critic are loaded onto `job.device` (the run's `device` setting, resolved
+in the process that trains: agent_core/devices.py). A policy kept in memory is also offered to this
+process's hf engines (resident.offer), so the next rollout generates with this very module.
 """
 
 from __future__ import annotations
@@ -22,15 +26,19 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent_core.config import PolicyLoraConfig
+from agent_core.devices import resolve_device
 from agent_core.episodes import episodes_from_rows
 from agent_core.io import background
 from agent_core.io.checkpoints import load_policy, save_critic, save_policy
+from agent_core.io.lora_checkpoints import save_lora_policy
 from agent_core.io.optimizer_state import load_optimizer_state, save_optimizer_state
 from agent_core.io.tables import join_steps
 from agent_core.training import resident
 from agent_core.training.batches import TrainStep, choose_layout
 from agent_core.training.critic import build_critic, load_critic
 from agent_core.training.data_parallel import DataParallel
+from agent_core.training.lora import has_lora, inject_lora
 from agent_core.training.schedule import make_lr_scheduler, optimizer_step_count
 from agent_core.training.settings import PPOSettings
 from agent_core.training.safety import check_nonfinite_updates, check_savable, probe_logprobs
@@ -75,6 +83,8 @@ class TrainJob:
     critic_optimizer_out: str | None = None
     keep_in_memory: bool = False  # keep what is saved for the next job that reads it (resident.py); one process only
     background_save: bool = False  # optimizer states on the writer thread (io/background.py); one process only
+    lora: PolicyLoraConfig | None = None  # policy.lora: a full policy_dir gets a fresh adapter (training/lora.py)
+    device: str = "auto"  # the run's `device` setting, resolved where the job runs (a worker: its own GPU or CPU)
 
 
 def job_sequences(job: TrainJob):
@@ -101,7 +111,9 @@ def _policy(job: TrainJob, keep: bool):
     if keep and (kept := resident.take(resident.POLICY, (job.policy_dir, job.optimizer_in),
                                        _policy_settings(job))) is not None:
         return kept
-    model, tokenizer = load_policy(Path(job.policy_dir))
+    model, tokenizer = load_policy(Path(job.policy_dir), device=resolve_device(job.device))
+    if job.lora is not None and not has_lora(model):  # a LoRA checkpoint comes with its adapter
+        inject_lora(model, job.lora, Path(job.policy_dir))
     optimizer = make_optimizer(model, lr=job.optimization.lr, weight_decay=job.optimization.weight_decay)
     if job.optimizer_in is not None:
         load_optimizer_state(optimizer, Path(job.optimizer_in))
@@ -113,6 +125,7 @@ def _critic(job: TrainJob, keep: bool):
                                        _critic_settings(job))) is not None:
         return kept
     critic = load_critic(Path(job.critic_in)) if Path(job.critic_in).exists() else build_critic(Path(job.policy_dir))
+    critic.to(resolve_device(job.device))
     optimizer = make_optimizer(critic, lr=job.optimization.critic_lr, weight_decay=job.optimization.weight_decay)
     if job.critic_optimizer_in is not None:
         load_optimizer_state(optimizer, Path(job.critic_optimizer_in))
@@ -124,11 +137,12 @@ def _save(job: TrainJob, policy: tuple, critic: tuple | None, modes: list[dict],
     in the train/eval modes they were loaded in (`modes`: the policy's, then the critic's). With
     `later`, the optimizer states (and the holding, which stamps their files) go to the writer thread."""
     model, tokenizer, optimizer = policy
-    save_policy(model, tokenizer, Path(job.checkpoint_dir))
+    (save_lora_policy if has_lora(model) else save_policy)(model, tokenizer, Path(job.checkpoint_dir))
     if critic is not None:
         save_critic(critic[0], Path(job.critic_out))
     if keep:
         resident.restore_modes(model, modes[0])
+        resident.offer(job.checkpoint_dir, model, tokenizer)  # the next rollout's hf engine generates with it
         if critic is not None:
             resident.restore_modes(critic[0], modes[1])
 

@@ -8,13 +8,25 @@ from contextlib import contextmanager
 import torch
 
 PRECISIONS = ("fp32", "bf16")
+SETTINGS = ("auto", *PRECISIONS)
+
+
+def resolve_precision(setting: str, device: torch.device | str) -> str:
+    """The precision a `trainer.precision` setting means on `device`: "auto" is "bf16" on CUDA (its
+    tensor cores; ~2x the fp32 throughput) and "fp32" elsewhere (a CPU's default stays what it was
+    before "auto" existed); "fp32" and "bf16" mean themselves."""
+    if setting not in SETTINGS:
+        raise ValueError(f"unknown precision {setting!r}; choose one of {', '.join(PRECISIONS)} (or auto)")
+    if setting != "auto":
+        return setting
+    return "bf16" if torch.device(device).type == "cuda" else "fp32"
 
 
 def autocast(device: torch.device, precision: str):
     """The forward pass's autocast: bfloat16 matmuls for "bf16" (parameters, gradients and the
-    optimizer stay fp32; scoring upcasts logits to fp32 before the log-softmax), none for "fp32"."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    optimizer stay fp32; scoring upcasts logits to fp32 before the log-softmax), none for "fp32";
+    "auto" as `resolve_precision` says for the device the batch is on."""
+    precision = resolve_precision(precision, device)
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 

@@ -1,18 +1,22 @@
 """One optimizer step's inputs, ready for the loss: micro-batches on the model's device, their
 loss and advantage masks (``agent_core.algos.masks.derive_masks``, with each row's response
 region) and the loss normalizers counted over ALL micro-batches of the step, so accumulated
-micro-batch gradients equal one big batch's (``agent_core.training.trainer``).
+micro-batch gradients equal one big batch's (``agent_core.training.trainer``). The same
+normalizers make a micro-batch's loss a sum over its rows, so ``split_rows`` halves give the
+whole's gradient (the out-of-memory retry, ``agent_core.training.oom``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
 import torch
 
 from agent_core.algos.masks import Masks, derive_masks
 from agent_core.training.batches import PaddedBatch, TrainSequence, make_micro_batches
+from agent_core.training.memory import Auto, pending_state_bytes, resolve_micro_batch_tokens
+from agent_core.training.precision import resolve_precision
 
 
 @dataclass(frozen=True)
@@ -59,3 +63,48 @@ def prepare_update(sequences: Sequence[TrainSequence], device, *, pad_id: int, m
     return Prepared(batches, masks, Normalizers.over([m.loss_mask for m in masks], norm_length),
                     Normalizers.over(kl_masks, norm_length),
                     Normalizers.over([m.advantage_mask for m in masks], norm_length))
+
+
+def _rows(value, part: slice, width: int):
+    """Rows `part` of a [B, L] tensor (first `width` columns), of a [B] tensor or of a tuple."""
+    if isinstance(value, torch.Tensor):
+        return value[part, :width] if value.dim() == 2 else value[part]
+    return value[part] if isinstance(value, tuple) else value
+
+
+def split_rows(*items):
+    """The two halves (by rows) of a micro-batch and what goes with it row for row (its masks),
+    each cut to its longest row (the first item's attention mask says where rows end)."""
+    rows = items[0].input_ids.shape[0]
+    halves = []
+    for part in (slice(0, (rows + 1) // 2), slice((rows + 1) // 2, rows)):
+        width = int(items[0].attention_mask[part].sum(dim=-1).max())
+        halves.append(tuple(replace(item, **{f.name: _rows(getattr(item, f.name), part, width) for f in fields(item)})
+                            for item in items))
+    return halves
+
+
+def loss_token_fraction(sequences: Sequence[TrainSequence], use_loss_mask: bool) -> float:
+    """The largest share of one row's tokens in the loss (action tokens, or the response region with
+    the loss mask off): the share of logits the selective LM head computes in any micro-batch."""
+    def share(q: TrainSequence) -> float:
+        loss_tokens = sum(q.action_mask) if use_loss_mask else len(q) - q.region_start
+        return loss_tokens / max(1, len(q))
+    return max((share(q) for q in sequences), default=1.0)
+
+
+def training_micro_batch_tokens(policy: torch.nn.Module, optimizer, sequences: Sequence[TrainSequence], *,
+                                tokens: int | Auto, logits: int | Auto, precision: str, checkpointing: bool,
+                                use_loss_mask: bool, critic: torch.nn.Module | None = None,
+                                critic_optimizer=None) -> int:
+    """The micro-batch token budget of a training iteration (``memory.resolve_micro_batch_tokens``):
+    off CUDA, `tokens` ("auto": 8,192) capped by `logits` over the vocabulary, as before; on CUDA
+    with "auto", from the device's free memory less the gradients and AdamW moments the policy
+    (and critic) will still allocate, the precision, activation checkpointing, and the largest
+    share of loss tokens in a row."""
+    device = next(policy.parameters()).device
+    pending = pending_state_bytes(policy, optimizer)
+    pending += pending_state_bytes(critic, critic_optimizer) if critic is not None else 0
+    return resolve_micro_batch_tokens(policy, tokens, logits, training=True,
+                                      precision=resolve_precision(precision, device), checkpointing=checkpointing,
+                                      pending_bytes=pending, loss_fraction=loss_token_fraction(sequences, use_loss_mask))

@@ -16,6 +16,13 @@ next attempt, which then loads from disk as a fresh process would. Any mismatch 
 rewritten since, other optimizer settings) drops the entry and the caller loads from disk.
 
 Data-parallel workers never use it (each is its own process and only rank 0 saves).
+
+Lending (one copy of the weights): the policy just saved is also `offer`ed under its checkpoint
+directory, and an hf engine built for that directory in this process borrows the module itself
+(`lend`) instead of loading a second copy (agent_core/run_resources.py installs `lend` as the engine
+factory's lender). A module is never trained while lent: `take` of a lent module leaves it to the
+engine and returns None (the trainer loads the files: a rollout overlapping training, trainer.max_staleness
+>= 1, gets two copies, as before), and `lend` after a `take` finds nothing (the engine loads).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from agent_core.devices import same_device
 from agent_core.io.manifests import stat_stamp
 
 POLICY = "policy"
@@ -42,8 +50,35 @@ class Resident:
     objects: tuple  # (model, tokenizer, optimizer) or (critic, optimizer)
 
 
+@dataclass(frozen=True)
+class Offer:
+    """A saved policy an engine may borrow: its checkpoint directory, that directory's stamp, the objects."""
+
+    path: str
+    stamp: tuple
+    model: torch.nn.Module
+    tokenizer: object
+
+
+class Lease:
+    """A borrowed policy module: `model`, `tokenizer`; `release()` (idempotent) gives it back."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer, self._open = model, tokenizer, True
+
+    def release(self) -> None:
+        with _lock:
+            if self._open:
+                self._open = False
+                _lent[id(self.model)] -= 1
+                if not _lent[id(self.model)]:
+                    del _lent[id(self.model)]
+
+
 _lock = threading.Lock()  # a flow may train in a worker thread (trainer.max_staleness >= 1)
 _entries: dict[str, Resident] = {}
+_offer: Offer | None = None  # the one policy engines may borrow
+_lent: dict[int, int] = {}  # id(module) -> open leases
 
 
 def _key(paths) -> tuple[str, ...]:
@@ -68,9 +103,13 @@ def take(role: str, paths, settings: tuple) -> tuple | None:
         forget(role)
         return None
     paths = _key(paths)
+    global _offer
     with _lock:
         entry = _entries.pop(role, None)
-    if entry is None or entry.paths != paths or entry.settings != tuple(settings):
+        if entry is not None and _offer is not None and _offer.model is entry.objects[0]:
+            _offer = None  # about to be trained in place: no engine may borrow it from now on
+        lent = entry is not None and id(entry.objects[0]) in _lent
+    if entry is None or lent or entry.paths != paths or entry.settings != tuple(settings):
         return None
     if entry.stamp != _stamp(paths) or not all(entry.stamp):  # rewritten or removed since the save
         return None
@@ -78,12 +117,55 @@ def take(role: str, paths, settings: tuple) -> tuple | None:
 
 
 def forget(role: str | None = None) -> None:
-    """Drop what is held for `role` (None: every role), e.g. when a flow ends."""
+    """Drop what is held for `role` (None: every role, and the offer), e.g. when a flow ends."""
+    global _offer
     with _lock:
         if role is None:
             _entries.clear()
+            _offer = None
         else:
-            _entries.pop(role, None)
+            dropped = _entries.pop(role, None)
+            if dropped is not None and _offer is not None and _offer.model is dropped.objects[0]:
+                _offer = None
+
+
+def offer(path, model, tokenizer) -> None:
+    """Let engines borrow `model` (just saved to the checkpoint directory `path`) until it is taken
+    for training or forgotten; replaces an earlier offer."""
+    global _offer
+    key = _key([path])[0]
+    with _lock:
+        _offer = Offer(key, _stamp((key,)), model, tokenizer)
+
+
+def lend(path, device: torch.device | None = None) -> Lease | None:
+    """A lease on the offered module if it was saved to `path`, that directory is unchanged since, and
+    it lives on `device` (None: anywhere); else None (the caller loads the checkpoint)."""
+    key = _key([path])[0]
+    with _lock:
+        found = _offer
+        if found is None or found.path != key or found.stamp != _stamp((key,)) or not all(found.stamp):
+            return None
+        if device is not None and not _on(found.model, device):
+            return None
+        _lent[id(found.model)] = _lent.get(id(found.model), 0) + 1
+        return Lease(found.model, found.tokenizer)
+
+
+def _on(model: torch.nn.Module, device: torch.device) -> bool:
+    return same_device(next(model.parameters()).device, torch.device(device))
+
+
+def lent() -> int:
+    """Open leases (for tests and logs)."""
+    with _lock:
+        return sum(_lent.values())
+
+
+def offered() -> Offer | None:
+    """What engines may borrow now (for tests and logs)."""
+    with _lock:
+        return _offer
 
 
 def held(role: str) -> Resident | None:

@@ -21,18 +21,11 @@ import torch
 
 from agent_core.algos.losses import entropy_from_logits
 from agent_core.training.batches import PaddedBatch, TrainSequence, pad_sequences, token_budget_groups
-
-
-# Default cap on tokens x vocab of one micro-batch: 2**26 fp32 logits = 256 MiB per copy. A training
-# micro-batch holds several copies (logits, softmax, their gradients): SmolLM2's 49k vocabulary at
-# 8192 tokens per micro-batch peaked at ~18 GB; this cap keeps it to ~1365 tokens.
-MAX_LOGIT_ELEMENTS = 2**26
-
-
-def vocab_capped_tokens(max_tokens: int, vocab_size: int, max_logit_elements: int = MAX_LOGIT_ELEMENTS) -> int:
-    """The micro-batch token budget after capping its [tokens, vocab] logits at max_logit_elements
-    (the cap never goes below 64 tokens; a row longer than the budget gets a micro-batch of its own)."""
-    return min(max_tokens, max(64, max_logit_elements // max(1, vocab_size)))
+from agent_core.training.memory import (  # noqa: F401  (vocab_capped_tokens, MAX_LOGIT_ELEMENTS: re-exported)
+    AUTO, MAX_LOGIT_ELEMENTS, Auto, resolve_micro_batch_tokens, vocab_capped_tokens,
+)
+from agent_core.training.oom import TokenBudget, run_with_splits
+from agent_core.training.prepared import split_rows
 
 
 def model_vocab_size(model: torch.nn.Module) -> int:
@@ -137,41 +130,51 @@ def _placed(values: torch.Tensor, targets: torch.Tensor, attention_mask: torch.T
 
 
 def score_in_micro_batches(
-    sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int,
+    sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int | Auto,
     score: Callable[[PaddedBatch], torch.Tensor], module: torch.nn.Module,
     starts: Sequence[int] | None = None,
 ) -> list[list[float]]:
     """No-grad, eval-mode per-token scores [B, L] -> one list per sequence (same length as it).
 
-    Sequences are grouped into right-padded micro-batches of <= max_tokens padded tokens; `score`
-    gets each as a PaddedBatch whose response_start holds `starts` (the first position a caller
-    needs; default: 1). The module's train/eval mode is restored afterwards.
+    Sequences are grouped into right-padded micro-batches of <= max_tokens padded tokens ("auto":
+    ``memory.resolve_micro_batch_tokens`` for the module, scoring); `score` gets each as a
+    PaddedBatch whose response_start holds `starts` (the first position a caller needs; default:
+    1). A micro-batch that runs out of device memory is split in two and retried
+    (``oom.run_with_splits``). The module's train/eval mode is restored afterwards.
     """
+    if max_tokens == AUTO:
+        max_tokens = resolve_micro_batch_tokens(module, AUTO, AUTO, training=False)
     device = next(module.parameters()).device
     out: list[list[float]] = [[] for _ in sequences]
+    batches = []
+    for group in token_budget_groups([len(s) for s in sequences], max_tokens):
+        rows = [TrainSequence(list(sequences[i]), [0] * len(sequences[i]), [0.0] * len(sequences[i]),
+                              [0.0] * len(sequences[i]), response_start=min(
+                                  len(sequences[i]), max(1, 1 if starts is None else starts[i])))
+                for i in group]
+        batches.append((pad_sequences(rows, tuple(group), pad_id).to(device),))
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad():
-            for group in token_budget_groups([len(s) for s in sequences], max_tokens):
-                rows = [TrainSequence(list(sequences[i]), [0] * len(sequences[i]), [0.0] * len(sequences[i]),
-                                      [0.0] * len(sequences[i]), response_start=min(
-                                          len(sequences[i]), max(1, 1 if starts is None else starts[i])))
-                        for i in group]
-                scores = score(pad_sequences(rows, tuple(group), pad_id).to(device)).float().cpu()
-                for row, index in enumerate(group):
+            scored = run_with_splits(batches, lambda batch: (batch.indices, score(batch).float().cpu()),
+                                     TokenBudget(max_tokens), split_rows)
+            for indices, scores in scored:
+                for row, index in enumerate(indices):
                     out[index] = scores[row, : len(sequences[index])].tolist()
     finally:
         module.train(was_training)
     return out
 
 
-def score_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int,
+def score_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int | Auto,
                    temperature: float, starts: Sequence[int] | None = None) -> list[list[float]]:
     """Per-token log-probs of each token sequence under `model` (position 0: 0.0), batched, no grad.
 
     starts: per sequence, the first position whose log-prob is wanted (e.g. a response's first
     token); earlier positions hold 0.0 and, with a plain-head model, get no logits at all.
+    max_tokens: padded tokens per micro-batch, or "auto" (``memory.resolve_micro_batch_tokens``:
+    8,192 on the CPU, the device's free memory on CUDA); off CUDA it is capped at 2**26 logits.
     """
     def score(batch: PaddedBatch) -> torch.Tensor:
         if starts is None:
@@ -184,5 +187,11 @@ def score_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], p
                                         entropy_grad=False, positions=wanted)
         return logprobs * wanted
 
-    return score_in_micro_batches(sequences, pad_id, vocab_capped_tokens(max_tokens, model_vocab_size(model)), score,
-                                  model, starts)
+    fraction = 1.0 if starts is None else _scored_fraction(sequences, starts)
+    max_tokens = resolve_micro_batch_tokens(model, max_tokens, AUTO, training=False, loss_fraction=fraction)
+    return score_in_micro_batches(sequences, pad_id, max_tokens, score, model, starts)
+
+
+def _scored_fraction(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> float:
+    """The largest share of one sequence's positions that get logits (from its start on)."""
+    return max(((len(q) - min(start, len(q))) / max(1, len(q)) for q, start in zip(sequences, starts)), default=1.0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent_core.config import AlgorithmConfig, TrainerConfig
-from agent_core.training.scoring import MAX_LOGIT_ELEMENTS
+from agent_core.training.memory import AUTO, Auto
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class PPOSettings:
     entropy_coef, kl_coef, kl_estimator: the entropy bonus and the KL-to-reference loss term.
     value_clip, vf_coef: the critic's clipped value loss and its weight (None: unclipped).
     max_grad_norm: gradient clipping (None: none). micro_batch_tokens: padded tokens per
-    micro-batch, capped so that tokens x vocabulary <= max_logit_elements.
+    micro-batch, or "auto" (``agent_core.training.memory.resolve_micro_batch_tokens``: 8,192 on
+    the CPU, from the device's free memory and the model's shape on CUDA); max_logit_elements caps
+    tokens x vocabulary ("auto": 2**26 on the CPU, no cap on CUDA, whose budget counts the logits).
     temperature: the sampling temperature the log-probs are computed at.
     agg_mode: the loss aggregation (``LOSS_AGG_MODES``); norm_length: its seq-mean-token-sum-norm
     constant (None: the longest loss span of the update).
@@ -47,8 +49,8 @@ class PPOSettings:
     value_clip: float | None = 0.2
     vf_coef: float = 1.0
     max_grad_norm: float | None = 1.0
-    micro_batch_tokens: int = 4096
-    max_logit_elements: int = MAX_LOGIT_ELEMENTS
+    micro_batch_tokens: int | Auto = 4096
+    max_logit_elements: int | Auto = AUTO
     temperature: float = 1.0
     agg_mode: str = "token-mean"
     norm_length: float | None = None

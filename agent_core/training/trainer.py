@@ -4,7 +4,10 @@
 micro-batches (gradient accumulation sized by tokens) whose losses use normalizers counted over
 ALL sequences of the step, so the accumulated gradient equals that of one big batch. A
 non-finite input (old/reference log-probs, advantages, returns), model output (log-probs,
-values), loss or gradient norm skips the step and says which (agent_core.training.safety).
+values), loss or gradient norm skips the step and says which (agent_core.training.safety). The
+micro-batch size is ``prepared.training_micro_batch_tokens`` (a CPU constant, or the CUDA
+device's free memory: agent_core.training.memory); a micro-batch that runs out of memory is split
+and retried (agent_core.training.oom) and counted in ``UpdateResult.oom_splits``.
 ``train_iteration`` runs `epochs` passes of `mini_batches` such steps, with an optional
 KL-to-reference loss term, an optional critic (its own optimizer and clipped value loss) and an
 optional LR scheduler.
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import astuple, dataclass, replace
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -51,13 +54,15 @@ from agent_core.failpoints import failpoint
 from agent_core.progress import report
 from agent_core.training.batches import PaddedBatch, TrainSequence
 from agent_core.training.data_parallel import DataParallel
+from agent_core.training.oom import RestartStep, TokenBudget, backward, run_with_splits
 from agent_core.training.precision import activation_checkpointing, autocast
-from agent_core.training.prepared import Prepared, prepare_update
+from agent_core.training.prepared import Prepared, prepare_update, split_rows, training_micro_batch_tokens
 from agent_core.training.settings import PPOSettings
+from agent_core.training.update_result import Totals, UpdateResult, update_result
 from agent_core.training.safety import (
     CRITIC_INPUTS, NONFINITE, POLICY_INPUTS, SkipUpdate, check_finite_output, nonfinite_inputs,
 )
-from agent_core.training.scoring import model_vocab_size, score_logprobs, sequence_logprobs, vocab_capped_tokens
+from agent_core.training.scoring import score_logprobs, sequence_logprobs
 
 
 def make_optimizer(
@@ -76,64 +81,8 @@ def make_optimizer(
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=True)
 
 
-@dataclass(frozen=True)
-class UpdateResult:
-    """Metrics of one optimizer step (one row of train_metrics).
-
-    loss = pg_loss - entropy_coef * entropy term + kl_coef * KL term. entropy, kl and clipfrac are
-    token means over the loss mask; kl is the configured estimator's KL to the reference when the
-    sequences carry ref_logprobs, else the k3 estimate of KL(old || new). vf_loss: the critic's
-    clipped value loss (nan without a critic). tokens: tokens in the loss mask; tokens_per_s: real
-    (non-padding) tokens through the policy per second. skipped: a step of this update was not
-    taken, skip_reason says which ("critic: ..." for the critic's). A skipped policy step leaves
-    loss, pg_loss, entropy, kl and clipfrac nan; a skipped critic step leaves vf_loss nan (a
-    taken policy step keeps its finite loss).
-    """
-
-    loss: float
-    pg_loss: float
-    vf_loss: float
-    entropy: float
-    kl: float
-    clipfrac: float
-    grad_norm: float
-    lr: float
-    tokens: int
-    tokens_per_s: float
-    seconds: float
-    skipped: bool
-    skip_reason: str | None
-
-
-@dataclass
-class _Totals:
-    """Metric sums over a step's micro-batches, kept as tensors on the model's device (no host sync
-    per micro-batch); ``summed`` reads them once (and adds them over ranks with `dp`)."""
-
-    loss: torch.Tensor | float = 0.0
-    pg_loss: torch.Tensor | float = 0.0
-    vf_loss: torch.Tensor | float = 0.0
-    entropy_sum: torch.Tensor | float = 0.0
-    kl_sum: torch.Tensor | float = 0.0
-    kl_tokens: torch.Tensor | float = 0.0
-    clipped_sum: torch.Tensor | float = 0.0
-    real_tokens: torch.Tensor | float = 0.0
-
-    def add(self, **values: torch.Tensor) -> None:
-        for name, value in values.items():  # float64, as the Python floats these sums used to be
-            setattr(self, name, getattr(self, name) + value.detach().to(torch.float64))
-
-    def summed(self, dp: DataParallel | None) -> "_Totals":
-        """Plain floats (one host sync), over all ranks' micro-batches with `dp` (one collective), so
-        metrics are the 1-worker ones."""
-        fields = astuple(self)
-        device = next((v.device for v in fields if torch.is_tensor(v)), "cpu")
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in fields]).tolist()
-        return _Totals(*values) if dp is None else _Totals(*dp.sum_floats(values))
-
-
 def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared, s: PPOSettings,
-                        totals: _Totals) -> torch.Tensor:
+                        totals: Totals) -> torch.Tensor:
     """Forward + backward of one policy micro-batch; adds its metrics to totals, returns its loss.
 
     Only the loss-mask tokens get logits (``sequence_logprobs(positions=...)``): every value below
@@ -159,17 +108,17 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared,
         kl_tokens = kl_penalty(logprobs, batch.ref_logprobs, s.kl_estimator)
         if s.kl_coef != 0:
             loss = loss + s.kl_coef * aggregate_loss(kl_tokens, kl_mask, s.agg_mode, **prep.kl_norms.scale())
-        totals.add(kl_sum=masked_sum(kl_tokens.detach(), kl_mask), kl_tokens=kl_mask.sum())
+        kl = dict(kl_sum=masked_sum(kl_tokens.detach(), kl_mask), kl_tokens=kl_mask.sum())
     else:
-        totals.add(kl_sum=policy.approx_kl * batch_tokens, kl_tokens=batch_tokens)
-    loss.backward()
-    totals.add(loss=loss, pg_loss=policy.loss, entropy_sum=masked_sum(entropy.detach(), masks.loss_mask),
+        kl = dict(kl_sum=policy.approx_kl * batch_tokens, kl_tokens=batch_tokens)
+    backward(loss)  # totals only after it: a micro-batch that runs out of memory is retried (oom.py)
+    totals.add(**kl, loss=loss, pg_loss=policy.loss, entropy_sum=masked_sum(entropy.detach(), masks.loss_mask),
                clipped_sum=policy.clipfrac * batch_tokens, real_tokens=batch.attention_mask.sum())
     return loss.detach()
 
 
 def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared, s: PPOSettings,
-                        totals: _Totals) -> torch.Tensor:
+                        totals: Totals) -> torch.Tensor:
     """Forward + backward of the clipped value loss on the advantage-mask tokens (they have returns)."""
     with autocast(batch.input_ids.device, s.precision):
         values = critic.values(batch.input_ids, batch.attention_mask).float()
@@ -177,26 +126,26 @@ def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared
     out = clipped_value_loss(values, batch.old_values, batch.returns, masks.advantage_mask, clip_range=s.value_clip,
                              agg_mode=s.agg_mode, **prep.value_norms.scale())
     loss = s.vf_coef * out.loss
-    loss.backward()
+    backward(loss)
     totals.add(vf_loss=out.loss)
     return loss.detach()
 
 
-def _local_skip_reason(pairs, micro_step, count_progress: bool) -> str | None:
-    """Forward + backward of these (batch, masks) pairs; the first skip reason, or None."""
-    for batch, masks in pairs:
-        try:
-            batch_loss = micro_step(batch, masks)
-        except SkipUpdate as skip:
-            return str(skip)
-        if not torch.isfinite(batch_loss):
-            return f"{NONFINITE} loss ({float(batch_loss)}) in a micro-batch"
-        if count_progress:
-            report(1)
+def _local_skip_reason(pairs, micro_step, count_progress: bool, budget: TokenBudget) -> str | None:
+    """Forward + backward of these (batch, masks) pairs, split to fit `budget` (oom.run_with_splits);
+    the first skip reason, or None."""
+    try:
+        for batch_loss in run_with_splits(pairs, micro_step, budget, split_rows):
+            if not torch.isfinite(batch_loss):
+                return f"{NONFINITE} loss ({float(batch_loss)}) in a micro-batch"
+            if count_progress:
+                report(1)
+    except SkipUpdate as skip:
+        return str(skip)
     return None
 
 
-def _micro_batches_skip_reason(prep: Prepared, micro_step, count_progress: bool,
+def _micro_batches_skip_reason(prep: Prepared, micro_step, count_progress: bool, budget: TokenBudget,
                                dp: DataParallel | None = None) -> str | None:
     """Forward + backward of every micro-batch (this rank's shard with `dp`); why the step must be
     skipped, or None. Each policy micro-batch is reported as progress (`count_progress`; the
@@ -208,7 +157,7 @@ def _micro_batches_skip_reason(prep: Prepared, micro_step, count_progress: bool,
     consecutive-skip check counts those).
     """
     pairs = list(zip(prep.batches, prep.masks))
-    reason = _local_skip_reason(pairs if dp is None else dp.shard(pairs), micro_step, count_progress)
+    reason = _local_skip_reason(pairs if dp is None else dp.shard(pairs), micro_step, count_progress, budget)
     if dp is None:
         return reason
     skipped, nonfinite = dp.sum_floats([float(reason is not None), float(NONFINITE in (reason or ""))])
@@ -220,7 +169,7 @@ def _micro_batches_skip_reason(prep: Prepared, micro_step, count_progress: bool,
 
 
 def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad_norm,
-                         inputs: tuple[str, ...], count_progress: bool = True,
+                         inputs: tuple[str, ...], budget: TokenBudget, totals: Totals, count_progress: bool = True,
                          dp: DataParallel | None = None) -> tuple[float, str | None]:
     """Run micro_step over every micro-batch (accumulating gradients), clip, and step unless not finite.
 
@@ -228,16 +177,23 @@ def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad
     forward pass (every rank checks all batches, so all agree without a collective). With `dp`
     only this rank's micro-batches run (on the plain module) and the gradients are summed over
     ranks by torch's DDP before clipping (``DataParallel.sum_gradients``), so every rank clips and
-    steps identically. Returns (grad norm, skip reason or None).
+    steps identically. Returns (grad norm, skip reason or None). A backward pass that ran out of
+    memory restarts the step from zero gradients and these totals at a halved budget (oom.py).
     Gradients are cleared either way; the module gets its previous train/eval mode back.
     """
     was_training = module.training
     module.train()
     optimizer.zero_grad(set_to_none=True)
-    grad_norm = math.nan
+    grad_norm, saved = math.nan, replace(totals)
     try:
-        skip_reason = (nonfinite_inputs(prep.batches, inputs)
-                       or _micro_batches_skip_reason(prep, micro_step, count_progress, dp))
+        while True:
+            try:
+                skip_reason = (nonfinite_inputs(prep.batches, inputs)
+                               or _micro_batches_skip_reason(prep, micro_step, count_progress, budget, dp))
+                break
+            except RestartStep:
+                optimizer.zero_grad(set_to_none=True)
+                totals.restore(saved)
         if skip_reason is None:
             if dp is not None:
                 dp.sum_gradients(module)
@@ -256,24 +212,26 @@ def _accumulate_and_step(module, optimizer, prep: Prepared, micro_step, max_grad
 
 
 def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_optimizer, pad_id,
-            micro_batch_tokens, dp: DataParallel | None = None) -> tuple[UpdateResult, bool]:
-    """One policy optimizer step (and one critic step when a critic is given) over `sequences`.
+            budget: TokenBudget, dp: DataParallel | None = None) -> tuple[UpdateResult, bool]:
+    """One policy optimizer step (and one critic step when a critic is given) over `sequences`, in
+    micro-batches of `budget` tokens (halved, for this update and the next, at each out-of-memory split).
 
     With `dp` every rank passes the same sequences (so the normalizers are the step's) and runs its
     shard of the micro-batches. Returns the metrics and whether the policy step was taken.
     """
     if not sequences:
         raise ValueError("an update needs at least one sequence")
-    started = time.perf_counter()
+    started, splits = time.perf_counter(), budget.splits
+    budget.tokens = _agreed_tokens(budget.tokens, dp)
     prep = prepare_update(sequences, next(policy.parameters()).device, pad_id=pad_id,
-                          micro_batch_tokens=micro_batch_tokens, use_loss_mask=s.use_loss_mask,
+                          micro_batch_tokens=budget.tokens, use_loss_mask=s.use_loss_mask,
                           use_advantage_mask=s.use_advantage_mask, norm_length=s.norm_length)
-    totals, grad_norm, reasons = _Totals(), math.nan, []
+    totals, grad_norm, reasons = Totals(), math.nan, []
     if prep.policy_norms.num_tokens > 0:  # global counts: every rank takes the same branch
         with activation_checkpointing(policy, s.activation_checkpointing):
             grad_norm, reason = _accumulate_and_step(
                 policy, optimizer, prep, lambda b, m: _policy_micro_batch(policy, b, m, prep, s, totals),
-                s.max_grad_norm, POLICY_INPUTS, dp=dp)
+                s.max_grad_norm, POLICY_INPUTS, budget, totals, dp=dp)
         policy_skipped = reason is not None
         reasons += [reason] if reason else []
     else:
@@ -283,33 +241,22 @@ def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_opti
     if critic is not None and prep.value_norms.num_tokens > 0:
         _, reason = _accumulate_and_step(
             critic, critic_optimizer, prep, lambda b, m: _critic_micro_batch(critic, b, m, prep, s, totals),
-            s.max_grad_norm, CRITIC_INPUTS, count_progress=False, dp=dp)
+            s.max_grad_norm, CRITIC_INPUTS, budget, totals, count_progress=False, dp=dp)
         critic_skipped = reason is not None
         reasons += [f"critic: {reason}"] if reason else []
-    result = _result(totals.summed(dp), prep, policy_skipped, critic_skipped, grad_norm, reasons,
+    result = update_result(totals.summed(dp), prep, policy_skipped, critic_skipped, grad_norm, reasons,
                      lr=float(optimizer.param_groups[0]["lr"]), seconds=time.perf_counter() - started)
-    return result, not policy_skipped
+    return replace(result, oom_splits=budget.splits - splits), not policy_skipped
 
 
-def _result(totals: _Totals, prep: Prepared, policy_skipped: bool, critic_skipped: bool, grad_norm: float,
-            reasons: list[str], *, lr: float, seconds: float) -> UpdateResult:
-    """The UpdateResult of one update from its (all ranks') totals."""
-    tokens = math.nan if policy_skipped else prep.policy_norms.num_tokens
-    return UpdateResult(
-        loss=math.nan if policy_skipped else totals.loss,
-        pg_loss=math.nan if policy_skipped else totals.pg_loss,
-        vf_loss=math.nan if critic_skipped else totals.vf_loss,
-        entropy=totals.entropy_sum / tokens,
-        kl=math.nan if policy_skipped else totals.kl_sum / max(totals.kl_tokens, 1.0),
-        clipfrac=totals.clipped_sum / tokens,
-        grad_norm=grad_norm,
-        lr=lr,
-        tokens=int(prep.policy_norms.num_tokens),
-        tokens_per_s=totals.real_tokens / seconds if seconds > 0 else math.nan,
-        seconds=seconds,
-        skipped=bool(reasons),
-        skip_reason="; ".join(reasons) or None,
-    )
+def _agreed_tokens(tokens: int, dp: DataParallel | None) -> int:
+    """The smallest rank's budget (free memory and out-of-memory splits differ by rank): every rank
+    must cut the same micro-batches, since each trains its `dp.shard` of them. One small collective."""
+    if dp is None or dp.world_size == 1:
+        return tokens
+    slots = [0.0] * dp.world_size
+    slots[dp.rank] = float(tokens)
+    return int(min(dp.sum_floats(slots)))
 
 
 def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences: Sequence[TrainSequence],
@@ -328,9 +275,19 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequenc
     share of the micro-batches; None is one process.
     """
     one_step = replace(settings, recompute_old_logprobs=False)
+    tokens = settings.micro_batch_tokens  # not capped by max_logit_elements here; "auto" as train_iteration's
+    if tokens == "auto" and sequences:
+        tokens = _micro_batch_tokens(model, optimizer, sequences, settings, None, None)
     result, _ = _update(model, optimizer, sequences, one_step, critic=None, critic_optimizer=None, pad_id=pad_id,
-                        micro_batch_tokens=settings.micro_batch_tokens, dp=dp)
+                        budget=TokenBudget(tokens), dp=dp)
     return result
+
+
+def _micro_batch_tokens(policy, optimizer, sequences, s: PPOSettings, critic, critic_optimizer) -> int:
+    return training_micro_batch_tokens(
+        policy, optimizer, sequences, tokens=s.micro_batch_tokens, logits=s.max_logit_elements, precision=s.precision,
+        checkpointing=s.activation_checkpointing, use_loss_mask=s.use_loss_mask, critic=critic,
+        critic_optimizer=critic_optimizer)
 
 
 def _check_iteration_inputs(sequences, critic, critic_optimizer, kl_coef) -> None:
@@ -368,13 +325,15 @@ def train_iteration(
     first step (else the rollout's sampling log-probs). The scheduler, if given, steps after
     every policy step that was taken. Fewer sequences than mini_batches (packing shrinks the row
     count) gives one mini-batch per sequence. Returns one UpdateResult per mini-batch, in order.
-    max_logit_elements caps micro_batch_tokens x the policy's vocabulary (see scoring.vocab_capped_tokens).
+    Micro-batch size: ``prepared.training_micro_batch_tokens`` (on the CPU micro_batch_tokens
+    capped so that it x the vocabulary <= max_logit_elements; on CUDA with "auto", from free memory).
     dp: data parallelism (module docstring): every rank passes the same sequences and seed (so the
     same shuffle) and runs its share of each step's micro-batches; None is one process.
     """
     s = settings
     _check_iteration_inputs(sequences, critic, critic_optimizer, s.kl_coef)
-    micro_batch_tokens = vocab_capped_tokens(s.micro_batch_tokens, model_vocab_size(policy), s.max_logit_elements)
+    micro_batch_tokens = _micro_batch_tokens(policy, policy_optimizer, sequences, s, critic, critic_optimizer)
+    budget = TokenBudget(micro_batch_tokens)  # shared by the updates: a split carries over to the next
     if s.recompute_old_logprobs:  # every rank scores all sequences: no collective, same old log-probs
         fresh = score_logprobs(policy, [q.input_ids for q in sequences], pad_id, micro_batch_tokens, s.temperature,
                                starts=[q.region_start for q in sequences])  # the loss never reads earlier ones
@@ -387,8 +346,7 @@ def train_iteration(
         for chunk in torch.tensor_split(order, min(s.mini_batches, len(sequences))):
             result, policy_stepped = _update(
                 policy, policy_optimizer, [sequences[i] for i in chunk.tolist()], s, critic=critic,
-                critic_optimizer=critic_optimizer, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens,
-                dp=dp)
+                critic_optimizer=critic_optimizer, pad_id=pad_id, budget=budget, dp=dp)
             if scheduler is not None and policy_stepped:
                 scheduler.step()
             results.append(result)
