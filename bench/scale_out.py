@@ -333,11 +333,13 @@ def training_part(data_root: Path, out: Path, args, progress: Progress, groups: 
     from agent_core.cluster.trainers import TrainerGroup, TrainerSpec
     from agent_core.training.batches import make_micro_batches
     from agent_core.training.iteration import job_sequences, run_training
+    from agent_core.training.memory import vocab_capped_tokens
 
     make_run(data_root, args, progress)
     job = training_job(data_root, out, args)
     sequences = job_sequences(job)
-    micro_batches = len(make_micro_batches(sequences, max_tokens=job.settings.micro_batch_tokens, pad_id=0))
+    tokens = vocab_capped_tokens(job.settings.micro_batch_tokens, 0)  # "auto": the CPU's 8,192
+    micro_batches = len(make_micro_batches(sequences, max_tokens=tokens, pad_id=0))
     progress(f"training job: {len(sequences)} rows, {sum(len(s) for s in sequences)} tokens, "
              f"{micro_batches} micro-batches per optimizer step")
     progress("starting 2 training workers")

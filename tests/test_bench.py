@@ -206,3 +206,64 @@ def test_run_all_passes_extra_arguments_to_one_script():
     assert args.extra == {"trl_compare": ["--iterations", "2"], "memory": ["--only", "trl"]}
     with pytest.raises(SystemExit):
         run_all.arguments(["--args", "nonesuch=--x"])
+
+
+# ---- bench/gpu.py: its --quick run on the CPU, and the bare-GPU-machine promise ---------------------
+
+# What a lent GPU machine lacks and cannot be carried to it (docs/benchmarks.md §GPU): bench/gpu.py
+# must never import these, also not lazily while it runs.
+GPU_MACHINE_LACKS = ("prefect", "duckdb", "mlflow", "pandera", "vllm", "ray")
+GPU_ROWS = ("trainer_default", "trainer_default_vs_best", "trainer_vs_plain", "hf_vs_bare_generate",
+            "iteration_seconds", "iteration_24gib_seconds", "lora_24gib_seconds")
+
+
+def test_gpu_bench_quick_runs_every_row_without_the_modules_a_gpu_machine_lacks(tmp_path):
+    """The whole --quick run in a fresh interpreter; afterwards none of the modules a bare GPU machine
+    lacks was imported (a meta-path block would also trip over find_spec probes, e.g. accelerate's
+    "is mlflow available", which a machine without mlflow answers with None)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "gpu.json"
+    code = ("import json, sys\nfrom bench import gpu\n"
+            f"assert gpu.main(['--quick', '--out', {str(out)!r}]) == 0\n"
+            f"loaded = {{m.split('.')[0] for m in sys.modules}} & set({GPU_MACHINE_LACKS!r})\n"
+            "print('LOADED', json.dumps(sorted(loaded)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.split("LOADED", 1)[1])
+    assert loaded == [], f"bench/gpu.py imported {loaded}: a bare GPU machine has none of them"
+    result = json.loads(out.read_text())
+    rows = {m["key"]: m for m in result["measurements"]}
+    assert tuple(rows) == GPU_ROWS
+    for key, row in rows.items():
+        assert not row["skipped"] and "error" not in row["details"], (key, row)
+        assert row["ratio"] is not None and row["ratio"] > 0, (key, row)
+    iteration = rows["iteration_seconds"]["details"]
+    assert set(iteration["stage_seconds"]) == {"rollout", "labelling", "advantages", "training"}
+    assert iteration["episodes"] == 2 * 2 and iteration["updates"] >= 1 and iteration["generated_tokens"] > 0
+    lora = rows["lora_24gib_seconds"]["details"]
+    assert 0 < lora["trainable_parameters"] < lora["base_parameters"]  # only the adapter trained
+    assert rows["iteration_24gib_seconds"]["details"]["limit_note"].startswith("no CUDA device")
+    assert "| trainer_default |" in result["goals_table"] and result["machine"]["gpu"] is None
+
+
+def test_gpu_bench_quick_results_never_default_into_the_committed_folder():
+    import torch
+
+    from bench import gpu
+
+    # bench.common.parse_args sets torch's thread count (--quick: 1); put it back, or later tests
+    # in this process (the kill test's in-process reference run) train with other float sums.
+    threads = torch.get_num_threads()
+    try:
+        quick = gpu.result_path(gpu.arguments(["--quick"]), gpu.resolve_device("cpu"))
+        full = gpu.result_path(gpu.arguments([]), gpu.resolve_device("cpu"))
+        out = gpu.result_path(gpu.arguments(["--out", "x/y.json"]), gpu.resolve_device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert gpu.RESULTS_DIR not in quick.parents and quick.name == "cpu.json"
+    assert full == gpu.RESULTS_DIR / "cpu.json"
+    assert out.as_posix() == "x/y.json"
