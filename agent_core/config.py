@@ -217,6 +217,7 @@ class AlgorithmConfig(_Section):
     norm_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
+    gigpo_omega: float = Field(1.0, ge=0, description="gigpo: weight of the anchor-state step advantage (0 = grpo)")
     eps: float = Field(1e-6, gt=0)
     whiten_advantages: bool = Field(True, description="gae, step_gae: whiten advantages over the advantage mask "
                                     "(verl, Agent-R1); others ignore it (reinforce_pp* always whiten, grpo/rloo never)")

@@ -53,7 +53,7 @@ TABLES: dict[str, TableSpec] = {
                   dataset.DATASET_PROMPTS_ROW_ID_COLUMNS),
         TableSpec("corpus", dataset.CORPUS_ARROW_SCHEMA, dataset.CorpusModel, dataset.CORPUS_ROW_ID_COLUMNS),
         TableSpec("prompts", prompts.ARROW_SCHEMA, prompts.PromptsModel, prompts.ROW_ID_COLUMNS),
-        TableSpec("steps", steps.ARROW_SCHEMA, steps.StepsModel, steps.ROW_ID_COLUMNS),
+        TableSpec("steps", steps.ARROW_SCHEMA, steps.StepsModel, steps.ROW_ID_COLUMNS, steps.COLUMN_DEFAULTS),
         TableSpec("rewards", rewards.ARROW_SCHEMA, rewards.RewardsModel, rewards.ROW_ID_COLUMNS),
         TableSpec("advantages", advantages.ARROW_SCHEMA, advantages.AdvantagesModel, advantages.ROW_ID_COLUMNS),
         TableSpec("train_metrics", train_metrics.ARROW_SCHEMA, train_metrics.TrainMetricsModel,

@@ -10,7 +10,10 @@ Cross-row rules, checked with Arrow group-bys rather than a loop over episodes:
 held), never newer than the step's iteration; how much older training accepts is the trainer's
 `max_staleness`. `served_by` names the inference replica (null in-process), `retries` counts the
 replicas that failed this call before it (docs/scale-out.md), `generated_at` is the unix time the
-action came back. `response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
+action came back. `anchor` keys the env state the step STARTED from (GiGPO's anchor state,
+agent_core/algos/gigpo.py): the opening context's hash for step 0, else what the env returned with
+the previous step (`EnvStep.anchor`); null when the env gives none, and in tables written before
+the column (COLUMN_DEFAULTS). `response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
 rounding of values near zero. Row id in errors: `<episode_id>/<step_idx>`.
 """
 
@@ -105,6 +108,7 @@ class StepsModel(ArrowModel):
     served_by: STRING = Field(nullable=True)
     retries: INT32 = Field()
     generated_at: FLOAT64 = Field()
+    anchor: STRING = Field(nullable=True)
 
     _iteration_not_negative = row_check("iteration", ">= 0", at_least("iteration", 0))
     _sample_idx_not_negative = row_check("sample_idx", ">= 0", at_least("sample_idx", 0))
@@ -143,3 +147,4 @@ class StepsModel(ArrowModel):
 
 ARROW_SCHEMA = arrow_schema_of(StepsModel)
 ROW_ID_COLUMNS = ("episode_id", "step_idx")
+COLUMN_DEFAULTS = {"anchor": None}

@@ -37,7 +37,7 @@ from tasks._common import completed_outputs, stage_logger, stage_task
 
 def _rows(steps_uri: str, rewards_uri: str) -> list[dict]:
     """Each step's tokens and log-probs with its combined reward (the rewards table's `reward`)."""
-    return join_steps(steps_uri, ["group_id", "prompt_ids", "response_ids", "response_logprobs"],
+    return join_steps(steps_uri, ["group_id", "prompt_ids", "response_ids", "response_logprobs", "anchor"],
                       "rewards", rewards_uri, ["reward"])
 
 
@@ -45,7 +45,7 @@ def estimator_settings(cfg: AlgorithmConfig) -> dict:
     """The plain-number settings ``estimate_step_advantages`` takes from the algorithm config."""
     return dict(estimator=cfg.estimator, gamma=cfg.gamma, lam=cfg.lam, eps=cfg.eps, norm_by_std=cfg.norm_by_std,
                 use_advantage_mask=cfg.use_advantage_mask, use_loss_mask=cfg.use_loss_mask,
-                whiten=cfg.whiten_advantages)
+                whiten=cfg.whiten_advantages, omega=cfg.gigpo_omega)
 
 
 def _critic_values(run: RunLayout, iteration: int, policy_dir: str, batch: EpisodeBatch, micro_batch_tokens: int,
@@ -106,7 +106,7 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
     rows = _rows(steps_uri, rewards_uri)
     policy_dir = str(run.policy_dir_before(iteration))
     batch = prepare_episodes([StepRewardRow(**{k: r[k] for k in ("episode_id", "group_id", "step_idx", "prompt_ids",
-                                                                  "response_ids", "reward")}) for r in rows])
+                                                                  "response_ids", "reward", "anchor")}) for r in rows])
     values = ref_logprobs = penalty = None
     if uses_critic:
         pad_id = load_tokenizer(Path(policy_dir)).pad_token_id  # the tokenizer only: no model loaded for it

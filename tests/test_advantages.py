@@ -374,7 +374,7 @@ def test_observation_rewards_and_values_matter_only_with_the_mask_off(name):
 # ------------------------------------------------------------------------------ registry, checks
 
 def test_estimators_are_registered_and_unknown_names_list_the_valid_ones():
-    assert set(ALL_ESTIMATORS) == set(ADVANTAGE_ESTIMATORS.names())
+    assert set(ALL_ESTIMATORS) | {"gigpo"} == set(ADVANTAGE_ESTIMATORS.names())  # gigpo (step anchors): test_gigpo.py
     rewards, mask = grid(responses_only(LENGTHS, REWARDS))
     with pytest.raises(UnknownNameError, match="gae.*grpo.*rloo"):
         estimate_advantages("gpro", AdvantageInputs(rewards, mask, GROUPS))

@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
 
 def test_the_paper_algorithms_and_ablations_all_have_configs():
     assert set(ALGOS) == {"grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                          "ppo_no_advantage_mask", "ppo_no_masks", "grpo_no_loss_mask"}
+                          "ppo_no_advantage_mask", "ppo_no_masks", "grpo_no_loss_mask", "gspo", "steppo", "gigpo"}
 
 
 @pytest.mark.parametrize("name", ALGOS)

@@ -27,5 +27,5 @@ def test_dry_run_prints_the_resolved_config_and_writes_nothing(tmp_path, capsys)
 def test_dry_run_still_refuses_a_bad_config(tmp_path, capsys):
     code = cli_main(["train", "--set", "trainer.policy_loss=ppo", "--data-root", str(tmp_path / "d"), "--dry-run"])
     assert code == 2
-    assert "unknown policy loss 'ppo'; valid policy loss names: ppo_clip" in capsys.readouterr().err
+    assert "unknown policy loss 'ppo'; valid policy loss names: gspo, ppo_clip" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()

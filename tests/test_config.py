@@ -89,4 +89,5 @@ def test_config_files_layer_key_by_key():
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO_ROOT / "configs" / "algos").glob("*.yaml")))
 def test_every_algorithm_config_loads(name):
     config = load_config(REPO_ROOT / "configs" / "algos" / f"{name}.yaml")
-    assert config.algorithm.estimator in {"grpo", "gae", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert config.algorithm.estimator in {"grpo", "gae", "step_gae", "gigpo", "rloo", "reinforce_pp",
+                                          "reinforce_pp_baseline"}

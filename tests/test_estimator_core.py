@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent_core.algos import advantages, estimators_critic
+from agent_core.algos import advantages, estimators_critic, gigpo
 from agent_core.algos.estimator_core import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
@@ -28,6 +28,7 @@ MASK = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1]])
 GROUPS = torch.tensor([5, 5, 5])  # no group of one: no GroupOfOneWarning
 VALUES = torch.tensor([[0.1, 0.2, 0.0], [0.3, 0.0, 0.0], [0.2, 0.1, 0.4]])
 STARTS = torch.tensor([[True, False, False], [True, False, False], [True, False, True]])
+ANCHORS = torch.tensor([[0, -1, -1], [0, -1, -1], [0, -1, 1]])  # gigpo: every step 0 starts from one state
 
 
 def algos_imports(path: Path) -> set[str]:
@@ -68,7 +69,7 @@ def test_any_algos_import_registers_every_estimator():
         "print(','.join(ADVANTAGE_ESTIMATORS.names()), estimator_uses_critic('step_gae'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["gae,grpo,reinforce_pp,reinforce_pp_baseline,rloo,step_gae", "True"]
+    assert out == ["gae,gigpo,grpo,reinforce_pp,reinforce_pp_baseline,rloo,step_gae", "True"]
 
 
 def test_registered_estimators_are_the_module_functions_and_the_dispatcher_calls_them():
@@ -77,9 +78,11 @@ def test_registered_estimators_are_the_module_functions_and_the_dispatcher_calls
         "reinforce_pp": advantages.reinforce_pp_advantages,
         "reinforce_pp_baseline": advantages.reinforce_pp_baseline_advantages,
         "gae": estimators_critic.gae_advantages, "step_gae": estimators_critic.step_gae_advantages,
+        "gigpo": gigpo.gigpo_advantages,
     }
     assert set(functions) == set(ADVANTAGE_ESTIMATORS.names())
-    inputs = AdvantageInputs(REWARDS, MASK, GROUPS, VALUES, step_starts=STARTS, gamma=0.9, lam=0.8, whiten=True)
+    inputs = AdvantageInputs(REWARDS, MASK, GROUPS, VALUES, step_starts=STARTS, gamma=0.9, lam=0.8, whiten=True,
+                             step_anchors=ANCHORS)
     for name, function in functions.items():
         assert ADVANTAGE_ESTIMATORS.get(name) is function
         direct, dispatched = function(inputs), estimate_advantages(name, inputs)

@@ -68,7 +68,8 @@ def test_experiment_config_errors_name_the_problem(tmp_path):
 
 def test_the_shipped_experiment_names_every_paper_arm():
     exp, config_dir = load_experiment(REPO_ROOT / "configs" / "experiment.yaml")
-    assert {a.name for a in exp.algorithm_arms()} == {"ppo", "grpo", "rloo", "reinforce-pp", "reinforce-pp-baseline"}
+    assert {a.name for a in exp.algorithm_arms()} == {"ppo", "grpo", "rloo", "reinforce-pp", "reinforce-pp-baseline",
+                                                            "gspo", "steppo", "gigpo"}
     assert {a.name: a.ablation_of for a in exp.arms if a.ablation_of} == {
         "ppo-no-adv-mask": "ppo", "ppo-no-masks": "ppo-no-adv-mask", "grpo-no-loss-mask": "grpo"}
     for arm in exp.arms:

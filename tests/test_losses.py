@@ -103,9 +103,9 @@ def test_aggregation_uses_given_normalizers_and_rejects_unknown_modes():
 
 
 def test_policy_losses_are_registered_and_unknown_names_list_the_valid_ones():
-    assert POLICY_LOSSES.names() == ["ppo_clip"]
+    assert POLICY_LOSSES.names() == ["gspo", "ppo_clip"]
     assert POLICY_LOSSES.get("ppo_clip") is ppo_clip_loss
-    with pytest.raises(UnknownNameError, match="unknown policy loss 'ppo'; valid policy loss names: ppo_clip"):
+    with pytest.raises(UnknownNameError, match="unknown policy loss 'ppo'; valid policy loss names: gspo, ppo_clip"):
         POLICY_LOSSES.get("ppo")
 
 

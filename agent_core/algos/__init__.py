@@ -6,4 +6,4 @@ first (Python runs this file before any submodule), so no module needs a functio
 to see them and ``estimator_core`` stays the base module that imports none of its estimators.
 """
 
-from agent_core.algos import advantages, estimators_critic  # noqa: F401  (register the estimators)
+from agent_core.algos import advantages, estimators_critic, gigpo, gspo  # noqa: F401  (register estimators, losses)

@@ -3,8 +3,9 @@ and the masked helpers (episode scores, group statistics, batch whitening).
 
 This is the base module of the estimators: it imports nothing of ``agent_core.algos``. The
 estimators live in ``agent_core.algos.advantages`` (outcome / Monte-Carlo estimators) and
-``agent_core.algos.estimators_critic`` (GAE with a critic); the package's ``__init__`` imports
-both, so importing any ``agent_core.algos`` module registers every built-in estimator.
+``agent_core.algos.estimators_critic`` (GAE with a critic) and ``agent_core.algos.gigpo`` (anchor-state
+groups); the package's ``__init__`` imports them, so importing any ``agent_core.algos`` module
+registers every built-in estimator.
 
 Every estimator is called as ``fn(inputs: AdvantageInputs) -> AdvantageOutput`` (the fields and
 their shapes: ``AdvantageInputs``). Fields an estimator has no use for are ignored, so a config
@@ -58,12 +59,16 @@ class AdvantageInputs:
     - group_index: int [E], episodes with the same value were sampled from the same prompt (any
       integers; they need not be contiguous);
     - values: float [E, T] critic values, for estimators that use a critic (None otherwise);
-    - step_starts: bool [E, T], True at the first action token of each step (``step_gae`` only);
+    - step_starts: bool [E, T], True at the first action token of each step (``step_gae``, ``gigpo``);
+    - step_anchors: int [E, T], at each step start the id of the ANCHOR STATE the step starts from
+      (``gigpo`` only): steps of one prompt group with equal ids started from the same env state;
+      a negative id means the step has no anchor; entries off the step starts are ignored;
     - gamma, lam: discount and GAE lambda (``gae``, ``step_gae``; gamma also ``reinforce_pp``);
     - eps: added to a std before dividing by it;
     - norm_by_std: ``grpo`` divides by the group std (False: Dr.GRPO, centring only);
     - whiten: whiten the advantages over every masked token of the batch (``gae``, ``step_gae``;
       ``reinforce_pp*`` always whiten as part of the algorithm, ``grpo`` / ``rloo`` never do).
+    - omega: weight of the step-level (anchor-group) advantage added to the episode's (``gigpo``).
 
     values is the last positional field; the rest are keyword-only.
     """
@@ -79,12 +84,14 @@ class AdvantageInputs:
     eps: float = 1e-6
     norm_by_std: bool = True
     whiten: bool = False
+    step_anchors: torch.Tensor | None = None
+    omega: float = 1.0
 
     def __post_init__(self) -> None:
         if self.token_rewards.dim() != 2:
             raise ValueError(f"token_rewards must be [E, T]; got shape {tuple(self.token_rewards.shape)}")
         shape = tuple(self.token_rewards.shape)
-        for name in ("mask", "values", "step_starts"):
+        for name in ("mask", "values", "step_starts", "step_anchors"):
             grid = getattr(self, name)
             if grid is not None and tuple(grid.shape) != shape:
                 raise ValueError(f"{name} shape {tuple(grid.shape)} != token_rewards shape {shape}")
@@ -95,6 +102,8 @@ class AdvantageInputs:
             )
         if group_index.dtype.is_floating_point:
             raise ValueError(f"group_index must be an integer tensor; got {group_index.dtype}")
+        if self.step_anchors is not None and self.step_anchors.dtype.is_floating_point:
+            raise ValueError(f"step_anchors must be an integer tensor; got {self.step_anchors.dtype}")
 
 
 class AdvantageEstimator(Protocol):

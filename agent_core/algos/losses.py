@@ -18,8 +18,10 @@ are not counted in the seq-mean modes.
 
 Policy losses (``POLICY_LOSSES``, by name; each a ``PolicyLoss``): ``ppo_clip``, the PPO clipped
 objective of Schulman et al. 2017, with decoupled low/high clip ranges (DAPO's clip-higher) and the
-optional dual clip of Ye et al. 2020 for negative advantages. The clipped value loss is PPO2's (OpenAI baselines), aggregated by the same modes. KL estimators to a
-reference policy live in ``agent_core.algos.kl``.
+optional dual clip of Ye et al. 2020 for negative advantages; ``gspo`` (``agent_core.algos.gspo``),
+GSPO's sequence-level ratio and clip over each action. The clipped value loss is PPO2's (OpenAI
+baselines), aggregated by the same modes. KL estimators to a reference policy live in
+``agent_core.algos.kl``.
 """
 
 from __future__ import annotations
@@ -150,6 +152,15 @@ class PolicyLoss(Protocol):
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
+def check_policy_inputs(logprobs, old_logprobs, advantages, loss_mask) -> None:
+    """ValueError unless the four inputs of a policy loss share one [B, L] shape."""
+    if not (logprobs.shape == old_logprobs.shape == advantages.shape == loss_mask.shape) or logprobs.dim() != 2:
+        raise ValueError(
+            "logprobs, old_logprobs, advantages and loss_mask must share one [B, L] shape; got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(advantages.shape)}, {tuple(loss_mask.shape)}"
+        )
+
+
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip_loss(
     logprobs: torch.Tensor,
@@ -173,11 +184,7 @@ def ppo_clip_loss(
     clipfrac: share of masked tokens where a clip bound the loss (either clip).
     approx_kl: k3 estimate of KL(old || new), mean over masked tokens of (r - 1) - log r.
     """
-    if not (logprobs.shape == old_logprobs.shape == advantages.shape == loss_mask.shape):
-        raise ValueError(
-            "logprobs, old_logprobs, advantages and loss_mask must share one [B, L] shape; got "
-            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(advantages.shape)}, {tuple(loss_mask.shape)}"
-        )
+    check_policy_inputs(logprobs, old_logprobs, advantages, loss_mask)
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     mask = loss_mask.to(logprobs.dtype)

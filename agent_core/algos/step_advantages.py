@@ -10,7 +10,8 @@ Two calls, so a caller can run a critic or reference model between them:
    estimator under the advantage mask, and split the result back into one record per step,
    aligned with its response tokens (and with its observation tokens when a mask is off).
 
-``score_on_grid`` runs a critic on the grid.
+``score_on_grid`` runs a critic on the grid. ``anchor_grid`` puts each step's anchor (an id per
+distinct anchor string, -1 for none) on its step start, for gigpo.
 
 Observation tokens (append-only episodes; docs/architecture.md §3):
 
@@ -19,7 +20,7 @@ Observation tokens (append-only episodes; docs/architecture.md §3):
 - advantage mask on, loss mask off: the estimator skipped them, but the policy is trained on
   them, so each carries the advantage of the action token it follows (the last action token
   before it in the row): the episode's advantage for grpo / rloo / reinforce_pp_baseline, the
-  step's for step_gae, the advantage at the step's last action token for gae / reinforce_pp.
+  step's for step_gae and gigpo, the advantage at the step's last action token for gae / reinforce_pp.
   An observation is what the environment returned for that action, so it is credited like the
   action. Only ``obs_advantages`` is stored (no value targets there: the critic keeps to the
   advantage mask).
@@ -42,7 +43,8 @@ GridSource = Union[torch.Tensor, Callable[[EpisodeLayout], torch.Tensor], None]
 
 @dataclass(frozen=True)
 class StepRewardRow:
-    """One step of the steps table joined with its rewards row (reward: the combined reward)."""
+    """One step of the steps table joined with its rewards row (reward: the combined reward; anchor:
+    the key of the env state the step started from, None when the env gave none; read by gigpo)."""
 
     episode_id: str
     group_id: str
@@ -50,6 +52,7 @@ class StepRewardRow:
     prompt_ids: list[int]
     response_ids: list[int]
     reward: float
+    anchor: str | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,18 @@ def _resolve_grid(name: str, source: GridSource, layout: EpisodeLayout) -> torch
     return grid
 
 
+def anchor_grid(batch: EpisodeBatch) -> torch.Tensor:
+    """int64 [E, T]: at each step's first action token an id of its anchor (equal strings, equal ids;
+    the estimator scopes them to a prompt group), -1 for a step without one and everywhere else."""
+    grid = torch.full(batch.layout.token_rewards.shape, -1, dtype=torch.long)
+    ids: dict[str, int] = {}
+    for e, steps in enumerate(batch.episode_steps):
+        for step, span in zip(steps, batch.layout.step_spans[e]):
+            if step.anchor is not None and span.response_end > span.start:
+                grid[e, span.start] = ids.setdefault(step.anchor, len(ids))
+    return grid
+
+
 def carry_into_observations(values: torch.Tensor, action_mask: torch.Tensor, real_mask: torch.Tensor) -> torch.Tensor:
     """[E, T] -> [E, T]: action tokens keep their value; every other real token takes the value of
     the last action token before it in its row (0 when there is none); padding 0."""
@@ -147,6 +162,7 @@ def estimate_step_advantages(
     use_advantage_mask: bool,
     use_loss_mask: bool = True,
     whiten: bool = False,
+    omega: float = 1.0,
     values: GridSource = None,
     kl_penalty: GridSource = None,
 ) -> list[StepAdvantage]:
@@ -156,7 +172,8 @@ def estimate_step_advantages(
     layout returning them (for gae / step_gae). kl_penalty: [E, T] (or a function of the layout),
     e.g. beta * KL estimate per token, subtracted from the rewards on action tokens only (other
     entries are ignored). use_loss_mask: False stores observation advantages for the policy to
-    train with (module docstring). whiten: passed to the estimator (gae, step_gae).
+    train with (module docstring). whiten: passed to the estimator (gae, step_gae); omega: the step-level
+    weight (gigpo, which also reads the rows' anchors).
     """
     layout = batch.layout
     value_grid = _resolve_grid("values", values, layout)
@@ -167,6 +184,7 @@ def estimate_step_advantages(
     output = estimate_advantages(estimator, AdvantageInputs(
         token_rewards, advantage_mask(layout, use_advantage_mask), batch.group_index, value_grid,
         gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std, step_starts=layout.step_starts, whiten=whiten,
+        step_anchors=anchor_grid(batch), omega=omega,
     ))
     advantage_grid = output.advantages
     if use_advantage_mask and not use_loss_mask:

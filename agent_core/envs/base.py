@@ -41,6 +41,10 @@ class EnvStep:
     tool_calls: what the action asked for, as parsed. parse_error: why the action could not be
     parsed, if it could not (bad actions are data, not crashes).
     info: anything else worth keeping; stored as JSON in the steps table.
+    anchor: a key of the state this action led to (None: the env gives none), for GiGPO's anchor
+        groups (agent_core/algos/gigpo.py): equal keys within a prompt's group mean the same state,
+        so make it a normalised observation (e.g. the retrieved document ids), not raw text with
+        incidental differences. The agent loop stores it on the NEXT step, the one that starts there.
     """
 
     observation: str
@@ -51,6 +55,7 @@ class EnvStep:
     parse_error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     observation_messages: tuple[ChatMessage, ...] = ()
+    anchor: str | None = None
 
 
 class AgentEnv(Protocol):

@@ -17,10 +17,17 @@ tokens).
 Where tools are described: with the hermes format and a chat template that renders `tools=`
 (Qwen2.5 style) the template does it (`tools_for_template`); otherwise the format's instructions
 are added to the system message.
+
+Each step's `anchor` (GiGPO's anchor state, agent_core/algos/gigpo.py) is the observation
+normalised to what it tells the policy: per call, a search's retrieved document ids (sorted: the
+same documents are the same information, whatever query found them), a failed call's tool and
+error kind, any other result's tool and a hash of its lowercased, whitespace-collapsed text; plus
+the kinds of any parse errors. Answer steps lead nowhere: no anchor.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -121,8 +128,10 @@ class ToolEnv:
             return EnvStep(observation="", reward=0.0, done=True, termination="answered",
                            info={"answer": parsed.answer, "format_ok": True})
         errors = [f"{e.kind}: {e.message}" for e in parsed.errors]
+        error_kinds = [e.kind for e in parsed.errors]
         calls = parsed.calls[: self.max_calls_per_action]
         if len(parsed.calls) > len(calls):
+            error_kinds.append("too_many_calls")
             errors.append(f"too_many_calls: only the first {len(calls)} of {len(parsed.calls)} calls were run")
         outcomes = [self._run(call.name, call.arguments) for call in calls]
         results = [(o.name, o.text) for o in outcomes]
@@ -139,6 +148,7 @@ class ToolEnv:
             tool_calls=tuple(_tool_call(o) for o in outcomes),
             parse_error="; ".join(errors) or None,
             info=_step_info(outcomes, parsed.errors, format_ok=not errors),
+            anchor=observation_anchor(outcomes, error_kinds),
         )
 
     def _run(self, name: str, arguments: Any) -> ToolCallOutcome:
@@ -152,6 +162,24 @@ class ToolEnv:
         self.calls_run += 1
         return execute_call(self.tools, name, arguments, default_timeout_s=self.tool_timeout_s,
                             error_reward=-self.tool_error_penalty, max_result_chars=self.max_result_chars)
+
+
+def observation_anchor(outcomes: Sequence[ToolCallOutcome], error_kinds: Sequence[str]) -> str:
+    """The anchor of the state a step's observation leads to (module docstring)."""
+    parts = []
+    for outcome in outcomes:
+        doc_ids = outcome.info.get("doc_ids")
+        if outcome.ok and isinstance(doc_ids, list):
+            parts.append("docs:" + ",".join(sorted(str(doc) for doc in doc_ids)))
+        elif not outcome.ok:
+            parts.append(f"{outcome.name}:{outcome.error_kind}")
+        else:
+            text = " ".join(outcome.text.lower().split())
+            digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).hexdigest()
+            parts.append(f"{outcome.name}:{digest}")
+    if error_kinds:
+        parts.append("invalid:" + ",".join(sorted(error_kinds)))
+    return "|".join(parts)
 
 
 def _tool_call(outcome: ToolCallOutcome) -> ToolCall:

@@ -40,10 +40,15 @@ agent was cut off, the task did not end) and are recorded with truncated=True. T
 Nothing an env or the model produces escapes as an exception: text is made UTF-8-safe and JSON
 columns storable (`agent_core.rollout.records`) before anything reaches the tokenizer or a table,
 so one bad sample ends at most its own episode, never the rollout (tests/test_fuzz_agent_loop.py).
+
+Each step records the anchor of the state it STARTS from (GiGPO, agent_core/algos/gigpo.py): step 0
+the opening context's token ids, hashed (the state every episode of a group shares), step t the
+`anchor` the env returned with step t-1 (None if it gave none).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -118,6 +123,7 @@ class _Episode:
     step_idx: int = 0
     records: list[StepRecord] = field(default_factory=list)
     ready_since: float = 0.0  # perf_counter time its current context became ready to generate from
+    anchor: str | None = None  # the anchor of the state its next step starts from (module docstring)
 
 
 def run_episodes(
@@ -314,8 +320,15 @@ def _start_episodes(tokenizer, prompts, make_env, settings: LoopSettings) -> lis
             episodes.append(_Episode(
                 index=len(episodes), episode_id=f"{group_id}-s{sample_idx}", group_id=group_id, prompt=prompt,
                 sample_idx=sample_idx, env=env, context=EpisodeContext(head=list(head)), current_ids=list(head),
+                anchor=_opening_anchor(head),
             ))
     return episodes
+
+
+def _opening_anchor(head: list[int]) -> str:
+    """The anchor of an episode's first state: a hash of its opening context's token ids."""
+    digest = hashlib.blake2b(json.dumps(head).encode(), digest_size=8).hexdigest()
+    return f"start:{digest}"
 
 
 def _fits(context_ids: list[int], sampling: SamplingParams, settings: LoopSettings) -> bool:
@@ -346,6 +359,7 @@ def _advance(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, 
     prefix_shared = not done and extends(next_ids, ep.current_ids + list(gen.token_ids))
     ep.records.append(_record(ep, gen, action_text, outcome, observation, termination, prefix_shared, settings,
                               generated_at))
+    ep.anchor = outcome.anchor  # the state the next step starts from
     if done:
         return False
     ep.current_ids = next_ids
@@ -396,6 +410,7 @@ def _record(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, o
         served_by=gen.served_by,
         retries=gen.retries,
         generated_at=generated_at,
+        anchor=ep.anchor,
     )
 
 

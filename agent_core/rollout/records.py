@@ -33,6 +33,7 @@ class StepRecord:
     policy_version: the weights that generated the action (a replica's own report, else the loop's).
     served_by / retries: the inference replica that answered (None in-process) and how many replicas
         failed the same call before it. generated_at: unix time the action came back.
+    anchor: the key of the state this step started from (schemas/steps.py; None: none known).
     """
 
     episode_id: str
@@ -58,6 +59,7 @@ class StepRecord:
     served_by: str | None = None
     retries: int = 0
     generated_at: float = field(default_factory=time.time)
+    anchor: str | None = None
 
 
 def storable_env_step(outcome: EnvStep) -> EnvStep:
@@ -69,10 +71,11 @@ def storable_env_step(outcome: EnvStep) -> EnvStep:
     """
     if not isinstance(outcome, EnvStep):
         raise TypeError(f"env.step returned {type(outcome).__name__}, not EnvStep")
-    texts = [outcome.observation, outcome.parse_error or "", *(m.content for m in outcome.observation_messages)]
+    texts = [outcome.observation, outcome.parse_error or "", "" if outcome.anchor is None else outcome.anchor,
+             *(m.content for m in outcome.observation_messages)]
     if (not all(isinstance(text, str) for text in texts) or not isinstance(outcome.info, dict)
             or not all(isinstance(call, ToolCall) for call in outcome.tool_calls)):
-        raise TypeError("EnvStep observation, parse_error and message contents must be str, info a dict "
+        raise TypeError("EnvStep observation, parse_error, anchor and message contents must be str, info a dict "
                         "and tool_calls ToolCalls")
     if not math.isfinite(outcome.reward) or (outcome.done and outcome.termination not in TERMINATIONS):
         raise ValueError(f"EnvStep reward {outcome.reward!r} is not finite, or done with termination "
@@ -82,6 +85,7 @@ def storable_env_step(outcome: EnvStep) -> EnvStep:
     return replace(
         outcome, observation=utf8_safe(outcome.observation),
         parse_error=None if outcome.parse_error is None else utf8_safe(outcome.parse_error),
+        anchor=None if outcome.anchor is None else utf8_safe(outcome.anchor),
         observation_messages=tuple(ChatMessage(m.role, utf8_safe(m.content)) for m in outcome.observation_messages),
     )
 
