@@ -9,6 +9,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import pytest
+
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="agentr1-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 os.environ.pop("PREFECT_API_URL", None)  # never talk to a user's server from tests
@@ -20,6 +22,18 @@ from flows.environment import configure_environment  # noqa: E402
 configure_environment(_SESSION_DIR)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    """Fail the test if a command got as far as configuring Prefect or starting its server: early
+    errors must come before either (tests/test_early_errors.py, tests/test_device_placement.py)."""
+    from flows import cli
+
+    def started(*args, **kwargs):
+        raise AssertionError("the command went on to Prefect before rejecting its input")
+    monkeypatch.setattr(cli, "configure_environment", started)
+    monkeypatch.setattr(cli, "start_temporary_server", started)
 
 
 def pytest_unconfigure(config):

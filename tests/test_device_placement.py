@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import agent_core.training.iteration as iteration
-import flows.cli as cli
 import tasks.compute_advantages as compute_advantages
 from agent_core.config import ConfigError, PipelineConfig, TrainerConfig
 from agent_core.devices import DeviceError, resolve_device
@@ -111,14 +110,6 @@ def test_the_train_manifest_records_the_precision_used_so_old_cpu_runs_still_res
 
 
 # ---- config check through the command line -------------------------------------------------------
-
-
-@pytest.fixture
-def no_server(monkeypatch):
-    def started(*args, **kwargs):
-        raise AssertionError("the command went on to Prefect before rejecting its input")
-    monkeypatch.setattr(cli, "configure_environment", started)
-    monkeypatch.setattr(cli, "start_temporary_server", started)
 
 
 @pytest.mark.parametrize("setting, gpus, expected", [

@@ -31,15 +31,6 @@ TINY = REPO_ROOT / "configs" / "tiny.yaml"
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
 
 
-@pytest.fixture
-def no_server(monkeypatch):
-    """Fail the test if a command got as far as configuring Prefect or starting its server."""
-    def started(*args, **kwargs):
-        raise AssertionError("the command went on to Prefect before rejecting its input")
-    monkeypatch.setattr(cli, "configure_environment", started)
-    monkeypatch.setattr(cli, "start_temporary_server", started)
-
-
 def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
 
