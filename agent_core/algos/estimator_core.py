@@ -230,3 +230,20 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tens
     mean = (x * weights).sum() / count
     var = (((x - mean) ** 2) * weights).sum() / (count - 1) if count > 1 else torch.zeros((), dtype=torch.float64)
     return (x - mean) / (var.sqrt() + eps) * weights
+
+
+def step_index(on: torch.Tensor, step_starts: torch.Tensor | None, estimator: str) -> torch.Tensor:
+    """Each column's step number within its row (-1 before the row's first step start), int64 [E, T],
+    for the step-level estimators (`step_gae`, `gigpo`); ValueError naming `estimator` when
+    step_starts is missing, marks a token off the mask `on`, or a masked token comes before it."""
+    if step_starts is None:
+        raise ValueError(f"advantage estimator '{estimator}' needs step_starts [E, T] "
+                         "(True at each step's first action token)")
+    starts = step_starts.to(torch.bool)
+    if bool((starts & ~on).any()):
+        raise ValueError(f"{estimator}: step_starts marks a token outside the mask; a step starts at an action token")
+    step = starts.to(torch.long).cumsum(dim=-1) - 1
+    if bool((on & (step < 0)).any()):
+        rows = sorted(set((on & (step < 0)).nonzero()[:, 0].tolist()))
+        raise ValueError(f"{estimator}: episodes {rows[:10]} have masked tokens before their first step start")
+    return step

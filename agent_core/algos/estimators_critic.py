@@ -35,6 +35,7 @@ from agent_core.algos.estimator_core import (
     AdvantageOutput,
     masked_whiten,
     require_values,
+    step_index,
     uses_critic,
 )
 
@@ -71,22 +72,6 @@ def gae_advantages(inputs: AdvantageInputs) -> AdvantageOutput:
     return AdvantageOutput(advantages=advantages.to(torch.float32), returns=returns.to(torch.float32))
 
 
-def _step_index(on: torch.Tensor, step_starts: torch.Tensor | None) -> torch.Tensor:
-    """Each column's step number (-1 before the row's first step start), int64 [E, T]."""
-    if step_starts is None:
-        raise ValueError(
-            "advantage estimator 'step_gae' needs step_starts [E, T] (True at each step's first action token)"
-        )
-    starts = step_starts.to(torch.bool)
-    if bool((starts & ~on).any()):
-        raise ValueError("step_starts marks a token outside the mask; a step starts at an action token")
-    step = starts.to(torch.long).cumsum(dim=-1) - 1
-    if bool((on & (step < 0)).any()):
-        rows = sorted(set((on & (step < 0)).nonzero()[:, 0].tolist()))
-        raise ValueError(f"episodes {rows[:10]}: masked tokens before the first step start")
-    return step
-
-
 @ADVANTAGE_ESTIMATORS.register("step_gae")
 @uses_critic
 def step_gae_advantages(inputs: AdvantageInputs) -> AdvantageOutput:
@@ -104,7 +89,7 @@ def step_gae_advantages(inputs: AdvantageInputs) -> AdvantageOutput:
     values = require_values("step_gae", inputs.values)
     gamma, lam, step_starts = inputs.gamma, inputs.lam, inputs.step_starts
     on = inputs.mask.to(torch.bool)
-    step = _step_index(on, step_starts)
+    step = step_index(on, step_starts, "step_gae")
     index = step.clamp(min=0)
     num_steps = max(int(step.max().item()) + 1, 1) if step.numel() else 1
     rewards = torch.where(on, inputs.token_rewards.to(torch.float64), 0.0)

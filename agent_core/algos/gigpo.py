@@ -48,23 +48,9 @@ from agent_core.algos.estimator_core import (
     AdvantageOutput,
     episode_scores,
     group_stats,
+    step_index,
     zero_groups_of_one,
 )
-
-
-def _step_columns(on: torch.Tensor, step_starts: torch.Tensor | None) -> torch.Tensor:
-    """Each column's step number within its row (-1 before the row's first step start), int64 [E, T]."""
-    if step_starts is None:
-        raise ValueError("advantage estimator 'gigpo' needs step_starts [E, T] "
-                         "(True at each step's first action token)")
-    starts = step_starts.to(torch.bool)
-    if bool((starts & ~on).any()):
-        raise ValueError("gigpo: step_starts marks a token outside the mask; a step starts at an action token")
-    step = starts.to(torch.long).cumsum(dim=-1) - 1
-    if bool((on & (step < 0)).any()):
-        rows = sorted(set((on & (step < 0)).nonzero()[:, 0].tolist()))
-        raise ValueError(f"gigpo: episodes {rows[:10]} have masked tokens before their first step start")
-    return step
 
 
 def step_returns(rewards: torch.Tensor, on: torch.Tensor, step: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -116,7 +102,7 @@ def gigpo_advantages(inputs: AdvantageInputs) -> AdvantageOutput:
         raise ValueError("advantage estimator 'gigpo' needs step_anchors [E, T] (each step's anchor-state id at its "
                          "step start; -1 for none): build inputs with agent_core.algos.step_advantages")
     on = inputs.mask.to(torch.bool)
-    step = _step_columns(on, inputs.step_starts)
+    step = step_index(on, inputs.step_starts, "gigpo")
     index = step.clamp(min=0)
     scores = episode_scores(inputs.token_rewards, inputs.mask)
     stats = group_stats(scores, inputs.group_index)
