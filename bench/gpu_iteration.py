@@ -4,7 +4,8 @@ The stages are the pipeline's (tasks/rollout.py, label_rewards.py, compute_advan
 train.py) without Prefect, Parquet or MLflow, so they run where only torch, transformers, peft
 and pydantic are installed; each calls the same agent_core functions the stage does:
 
-- rollout: `run_episodes` (the agent loop) with the built-in search env on its BM25 index and the
+- rollout: `local_roll_out` (the agent loop with the config's loop settings, agent_core/rollout/spec.py)
+  with the built-in search env on its BM25 index and the
   `HFEngine` generating with the trainer's own module (the colocated, resident policy: one copy
   of the weights);
 - labelling: `label_steps` (agent_core.rewards) with the reward config's defaults;
@@ -31,16 +32,10 @@ import torch
 
 from agent_core.algos.step_advantages import StepRewardRow, estimate_step_advantages, prepare_episodes
 from agent_core.config import AlgorithmConfig, RewardConfig, RolloutConfig, TrainerConfig
-from agent_core.envs.registry import EnvResources, env_kwarg_names, make_env
-from agent_core.envs.search import Bm25Index
-from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.episodes import episodes_from_rows
 from agent_core.rewards.labelling import StepOutcome, label_steps
-from agent_core.rollout.agent_loop import LoopSettings, run_episodes
-from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
-from agent_core.rollout.context import ContextPolicy
-from agent_core.rollout.engine import SamplingParams
 from agent_core.rollout.hf_engine import HFEngine
+from agent_core.rollout.spec import RolloutSpec, local_roll_out
 from agent_core.training.batches import TrainStep, choose_layout
 from agent_core.training.scoring import score_logprobs
 from agent_core.training.settings import PPOSettings
@@ -84,24 +79,11 @@ class StageClock:
 
 
 def rollout(model, tokenizer, task, cfg: RolloutConfig, prompts: int, seed: int) -> list:
-    """`prompts` x group_size episodes of the built-in task (tasks/_common.roll_out's steps)."""
+    """`prompts` x group_size episodes of the built-in task (tasks/_common.roll_out's steps: the
+    config's envs and its loop settings, agent_core/rollout/spec.py)."""
     engine = HFEngine(model, tokenizer, max_batch_size=cfg.max_batch_size)  # the trainer's module
-    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
-    resources = EnvResources(search_index=Bm25Index(task.documents), chat=chat)
-
-    def env_for(prompt):
-        kwargs = dict(prompt.env_kwargs)
-        if "instructions" not in kwargs and "instructions" in env_kwarg_names(prompt.env_name):
-            kwargs["instructions"] = cfg.instructions
-        return make_env(prompt.env_name, kwargs, resources)
-
-    sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                              seed=seed, stop_token_ids=eos_token_ids(tokenizer))
-    settings = LoopSettings(group_size=cfg.group_size, max_steps=cfg.max_steps,
-                            max_context_tokens=cfg.max_context_tokens, policy_version=0, episode_prefix="gpu-",
-                            context=ContextPolicy(cfg.context_mode, cfg.keep_last_turns, cfg.max_observation_tokens),
-                            env_workers=cfg.env_workers, straggler_wait_s=cfg.straggler_wait_s)
-    return run_episodes(engine, tokenizer, task.prompts[:prompts], env_for, sampling, settings)
+    return local_roll_out(engine, tokenizer, task.prompts[:prompts], task.documents, cfg, seed=seed,
+                          policy_version=0, episode_prefix="gpu-", spec=RolloutSpec.from_config(cfg))
 
 
 def rewards_of(records, task) -> dict[tuple[str, int], float]:

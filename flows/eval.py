@@ -4,7 +4,9 @@ Writes `<data_root>/evals/<eval_id>/<method>/seed=<s>/eval.parquet` per method a
 markdown report to `<data_root>/evals/<eval_id>/report.md`, logs the cells as MLflow metrics (a
 run in experiment "agentr1-eval", same store as training) and publishes the report as a Prefect
 markdown artifact. `run_checkpoints` and `run_eval_settings` derive the inputs from a training
-run (what `agentr1 eval --run-id` does).
+run (what `agentr1 eval --run-id` does): its checkpoints, and its envs, scorer and loop settings
+(context mode, observation cut, budgets: agent_core/rollout/spec.py), so any env a run trains in
+evaluates as it trained.
 """
 
 from __future__ import annotations

@@ -13,7 +13,11 @@ replicas that failed this call before it (docs/scale-out.md), `generated_at` is 
 action came back. `anchor` keys the env state the step STARTED from (GiGPO's anchor state,
 agent_core/algos/gigpo.py): the opening context's hash for step 0, else what the env returned with
 the previous step (`EnvStep.anchor`); null when the env gives none, and in tables written before
-the column (COLUMN_DEFAULTS). `response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
+the column (COLUMN_DEFAULTS). `history` says how the step's prompt relates to the previous step's:
+"start" on step 0, "appended" when it starts with the previous prompt + response (such an episode
+packs into one training sequence), "rewritten" when the context was rebuilt (context management, or
+an agent behind the gateway that changed its history; the trainer's `auto` layout trains those as
+step rows); null in tables written before the column. `response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
 rounding of values near zero. Row id in errors: `<episode_id>/<step_idx>`.
 """
 
@@ -37,6 +41,7 @@ from schemas._base import (
     list_items_at_least,
     list_items_finite,
     non_empty_list,
+    null_where_null,
     set_iff,
     one_of,
     per_group,
@@ -45,6 +50,7 @@ from schemas._base import (
     unique_key,
 )
 
+HISTORIES = ("start", "appended", "rewritten")
 TERMINATIONS = ("answered", "max_steps", "max_context", "error")
 TRUNCATIONS = ("max_steps", "max_context")  # budget cut-offs: truncated, not terminated
 FINISH_REASONS = ("stop", "length")
@@ -78,6 +84,11 @@ def _version_not_newer(t: pa.Table) -> pa.Array:
     return pc.less_equal(t["policy_version"], t["iteration"])
 
 
+def _start_iff_first(t: pa.Table) -> pa.Array:
+    """"start" exactly on step 0 (rows with a null history, tables from before the column, pass)."""
+    return null_where_null(t["history"], pc.equal(pc.equal(t["history"], "start"), pc.equal(t["step_idx"], 0)))
+
+
 def _not_shared_when_done(t: pa.Table) -> pa.Array:
     return pc.invert(pc.and_kleene(t["done"], t["prefix_shared"]))
 
@@ -109,6 +120,7 @@ class StepsModel(ArrowModel):
     retries: INT32 = Field()
     generated_at: FLOAT64 = Field()
     anchor: STRING = Field(nullable=True)
+    history: STRING = Field(nullable=True)
 
     _iteration_not_negative = row_check("iteration", ">= 0", at_least("iteration", 0))
     _sample_idx_not_negative = row_check("sample_idx", ">= 0", at_least("sample_idx", 0))
@@ -142,9 +154,11 @@ class StepsModel(ArrowModel):
         "finish_reason", f"one of {', '.join(FINISH_REASONS)}", one_of("finish_reason", FINISH_REASONS)
     )
     _prefix_not_shared_when_done = row_check("prefix_shared", "False on the done row", _not_shared_when_done)
+    _history_known = row_check("history", f"one of {', '.join(HISTORIES)}", one_of("history", HISTORIES))
+    _history_start_iff_first = row_check("history", "'start' iff step_idx = 0", _start_iff_first)
     _info_json = row_check("info", JSON_OBJECT.description, json_check("info", JSON_OBJECT))
 
 
 ARROW_SCHEMA = arrow_schema_of(StepsModel)
 ROW_ID_COLUMNS = ("episode_id", "step_idx")
-COLUMN_DEFAULTS = {"anchor": None}
+COLUMN_DEFAULTS = {"anchor": None, "history": None}

@@ -1,17 +1,22 @@
 """Evaluation stages: one method x seed over a dataset split -> an `eval` table; then the report
-(markdown file, MLflow metrics in experiment "agentr1-eval", a Prefect markdown artifact)."""
+(markdown file, MLflow metrics in experiment "agentr1-eval", a Prefect markdown artifact).
+
+The agent methods roll out through training's driver (tasks/_common.py `roll_out`) in the run's
+envs, with the run's loop settings and scorer (`run_eval_settings`), so whatever env a run trains
+in (agent_program included) evaluates with no code of its own."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
 from prefect.artifacts import create_markdown_artifact
 
 from agent_core.config import DevEvalConfig, PipelineConfig
-from agent_core.eval.methods import EVAL_METHODS, EvalSettings
+from agent_core.eval.methods import EVAL_METHODS, EvalSettings, call_method
 from agent_core.eval.report import EvalReport, eval_report
 from agent_core.io.atomic import write_text_atomic
 from agent_core.io.layout import DataRoot, RunLayout
@@ -22,6 +27,7 @@ from tasks._common import (
     DatasetUris,
     completed_outputs,
     read_corpus,
+    roll_out,
     split_prompts,
     stage_logger,
     stage_progress,
@@ -32,11 +38,14 @@ from tasks._common import (
 EVAL_EXPERIMENT = "agentr1-eval"
 
 
-def _evaluate_into(uri: str, registered: str, checkpoint: str, prompts: list, documents: list,
+def _evaluate_into(uri: str, registered: str, checkpoint: str, prompts: list, dataset: DatasetUris,
                    settings: EvalSettings, **columns) -> float:
     """Run the registered method `registered` with the policy at `checkpoint`; write its episodes
-    (plus the constant `columns`: eval_id, method label, split) as the eval table `uri`; return the mean EM."""
-    episodes = EVAL_METHODS.get(registered)(Path(checkpoint), prompts, documents, settings)
+    (plus the constant `columns`: eval_id, method label, split) as the eval table `uri`; return the mean EM.
+    Agent-loop methods run their episodes through training's rollout driver (`roll_out`; a program
+    of env agent_program may search the dataset's corpus table, as in training)."""
+    episodes = call_method(EVAL_METHODS.get(registered), Path(checkpoint), prompts, read_corpus(dataset.corpus_uri),
+                           settings, roll_out=partial(roll_out, corpus_path=dataset.corpus_uri))
     write_table("eval", rows_of(episodes, checkpoint=str(checkpoint), seed=settings.seed, **columns), uri)
     return sum(e.em for e in episodes) / max(len(episodes), 1)
 
@@ -54,14 +63,15 @@ def evaluate(data_root: str, eval_id: str, method: str, checkpoint: str, dataset
         return uri
     prompts = split_prompts(dataset, split, limit)
     with stage_progress("evaluate", f"eval {method} seed {settings.seed}", "prompts"):
-        em = _evaluate_into(uri, runs_as or method, checkpoint, prompts, read_corpus(dataset.corpus_uri), settings,
+        em = _evaluate_into(uri, runs_as or method, checkpoint, prompts, dataset, settings,
                             eval_id=eval_id, method=method, split=split)
     log.info("%s seed %d: %d prompts, EM %.3f -> %s", method, settings.seed, len(prompts), em, uri)
     return uri
 
 
 def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float | None = None) -> EvalSettings:
-    """Generation budgets, retrieval depth, tool format and engine as the run trains with them."""
+    """Envs, loop settings (context mode, observation cut, budgets: `EvalSettings.spec`), scorer,
+    retrieval depth, tool format and engine as the run trains with them."""
     rollout = config.rollout
     return EvalSettings(
         greedy=greedy, temperature=rollout.temperature if temperature is None else temperature,
@@ -70,13 +80,20 @@ def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float |
         tool_format=rollout.env_kwargs.get("tool_format", "tag"),
         instructions=rollout.instructions, engine=rollout.engine,
         max_batch_size=rollout.max_batch_size, vllm=vllm_options(rollout.vllm), device=config.device,
+        rollout=rollout, scorer=config.reward.scorer,
     )
 
 
 def _compared(settings: EvalSettings) -> dict:
     """The settings a dev eval's manifest compares: all but the device (placement changes no answer
-    beyond float rounding, and runs recorded before it existed still resume)."""
-    return {k: v for k, v in dataclasses.asdict(settings).items() if k != "device"}
+    beyond float rounding, and runs recorded before it existed still resume); of the run's rollout
+    section, what changes an answer: the loop and sampling (`spec`) and the envs."""
+    compared = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("device", "rollout")}
+    if settings.rollout is not None:
+        cfg = settings.rollout_config()
+        compared["rollout"] = {"spec": settings.spec(), "env": cfg.env, "env_kwargs": cfg.env_kwargs,
+                               "instructions": cfg.instructions}
+    return compared
 
 
 @stage_task(name="dev_eval")
@@ -94,7 +111,7 @@ def dev_eval(run: RunLayout, iteration: int | None, policy_dir: str, dataset: Da
         return done["eval"]
     prompts = split_prompts(dataset, cfg.split, cfg.prompts)
     with stage_progress("dev_eval", f"dev eval {which}", "prompts"):
-        em = _evaluate_into(uri, "agent", policy_dir, prompts, read_corpus(dataset.corpus_uri), settings,
+        em = _evaluate_into(uri, "agent", policy_dir, prompts, dataset, settings,
                             eval_id=f"{run.run_id}-dev-{'start' if iteration is None else iteration}", method="agent",
                             split=cfg.split)
     record.commit({"eval": uri})
@@ -142,6 +159,8 @@ def settings_params(settings: EvalSettings) -> dict:
     """The settings as flat MLflow params (the seed varies per table and is logged separately)."""
     flat = {}
     for key, value in dataclasses.asdict(settings).items():
+        if hasattr(value, "model_dump"):  # the run's rollout section: settings.rollout.<field>
+            value = value.model_dump(mode="json")
         if isinstance(value, dict):  # vllm options: settings.vllm.<field>
             flat.update({f"settings.{key}.{k}": v for k, v in value.items()})
         elif key != "seed":

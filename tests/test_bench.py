@@ -39,6 +39,22 @@ def test_quick_training_benchmark_writes_both_ratios(training_result):
     assert by_key["packed_vs_step"]["details"]["token_ratio"] > 1
 
 
+def test_quick_gateway_benchmark_runs_both_sides_on_the_same_work(tmp_path):
+    from bench import gateway, report
+
+    assert "gateway" in report.BENCHMARKS  # `make bench` runs it (bench/run_all.py)
+    assert gateway.main(["--quick", "--results-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gateway.json").read_text())
+    assert result["name"] == "gateway" and "--quick" in result["command"]
+    (m,) = result["measurements"]
+    assert m["key"] == "hf" and math.isfinite(m["ratio"]) and m["ratio"] > 0 and m["met"] in (True, False)
+    loop, through_gateway = m["details"]["in_process"], m["details"]["gateway"]
+    # the same episodes under the same budgets (2 calls each at most), none failed
+    assert loop["episodes"] == through_gateway["episodes"] == 4 and through_gateway["failed"] == 0
+    assert 4 <= through_gateway["steps"] <= 8 and through_gateway["tokens"] > 0
+    assert through_gateway["generate_calls"] <= through_gateway["steps"]
+
+
 def test_report_lists_every_ratio_goal_and_miss_and_keeps_hand_written_text(training_result, tmp_path):
     results, result = training_result
     write_result("scaling", "Scaling title", [

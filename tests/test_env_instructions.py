@@ -102,7 +102,7 @@ def test_rollout_tool_instructions_reach_the_training_envs(monkeypatch):
     kwargs = _env_of(prompt, RolloutConfig(tool_instructions=True, env_kwargs={"instructions": False}))[1]
     assert kwargs["instructions"] is False
     # an env that takes no `instructions` (a user's) is not given one
-    monkeypatch.setattr("tasks._common.env_kwarg_names", lambda name: ["top_k", "tool_format"])
+    monkeypatch.setattr("agent_core.rollout.spec.env_kwarg_names", lambda name: ["top_k", "tool_format"])
     assert "instructions" not in _env_of(prompt, RolloutConfig())[1]
 
 

@@ -48,6 +48,7 @@ GUIDES = REPO_ROOT / "docs" / "guides"
 DOCS = {
     "write-a-tool": (GUIDES / "write-a-tool.md", None),
     "write-an-env": (GUIDES / "write-an-env.md", None),
+    "train-your-agent": (GUIDES / "train-your-agent.md", None),
     "readme-tool-env": (REPO_ROOT / "README.md", "rollout.env=tool_env"),
 }
 AGENTR1_SPELLINGS = ("agentr1", ".venv/bin/agentr1")
@@ -204,7 +205,24 @@ def _check_readme_tool_env(folder: Path, outputs: list[str]) -> None:
     assert "termination" in outputs[1] and "(0 rows)" not in outputs[1]
 
 
-CHECKS = {"write-a-tool": _check_tool_guide, "write-an-env": _check_env_guide, "readme-tool-env": _check_readme_tool_env}
+def _check_agent_guide(folder: Path, outputs: list[str]) -> None:
+    """The example agent ran through the gateway: every step a recorded call, each episode ended
+    answered, truncated or failed with its reason, and the second iteration trained on the first."""
+    run = _only_run(folder)
+    for iteration in (0, 1):
+        steps = read_table("steps", run.table_uri(iteration, "steps")).to_pylist()
+        infos = [json.loads(s["info"]) for s in steps]
+        assert steps and all(info["gateway"] for info in infos)
+        assert len({s["episode_id"] for s in steps}) == 6  # 3 prompts x group_size 2 (configs/tiny.yaml)
+        ends = [(step, info) for step, info in zip(steps, infos) if step["done"]]
+        assert all("answer" in info or "error" in info or step["truncated"] for step, info in ends), ends
+        # the program itself worked (openai client, gateway, answer line): not every episode a failure
+        assert any("error" not in info for _, info in ends), [info["error"] for _, info in ends]
+    assert "termination" in outputs[1] and "episode_id" in outputs[2]
+
+
+CHECKS = {"write-a-tool": _check_tool_guide, "write-an-env": _check_env_guide, "readme-tool-env": _check_readme_tool_env,
+          "train-your-agent": _check_agent_guide}
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from agent_core.envs.agent_program import ENV_NAME, ProgramSpec
 from agent_core.envs.base import AgentEnv
 from agent_core.envs.formats import FORMATS
 from agent_core.envs.search import Bm25Index
@@ -71,6 +72,18 @@ def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str
                    instructions=instructions)
 
 
+@ENVS.register(ENV_NAME)
+def _make_agent_program(resources: EnvResources, *, command: Sequence[str] = (), timeout_s: float = 60.0,
+                        max_parallel: int = 4, max_output_bytes: int = 1_000_000) -> AgentEnv:
+    """Your own agent program, run once per episode against the gateway (agent_core/gateway,
+    agent_core/envs/agent_program.py). Its episodes are rolled out by the gateway's rollout, not the
+    agent loop: nothing builds this env, its kwargs are checked here (`ProgramSpec.from_env_kwargs`)."""
+    ProgramSpec.from_env_kwargs({"command": command, "timeout_s": timeout_s, "max_parallel": max_parallel,
+                                 "max_output_bytes": max_output_bytes})
+    raise ValueError(f"env {ENV_NAME!r} runs a program through the gateway (agent_core/gateway/program_rollout.py), "
+                     "not in the agent loop; roll it out with tasks._common.roll_out")
+
+
 # Envs whose tools are fixed by the env, not chosen by a `tools` argument.
 _FIXED_TOOLS: dict[str, tuple[str, ...]] = {"search_qa": ("search",)}
 
@@ -112,6 +125,8 @@ def check_env_spec(name: str, kwargs: Mapping[str, Any]) -> None:
         _check_name(FORMATS, kwargs["tool_format"], f"env {name!r}, tool_format")
     if "tools" in kwargs and "tools" in env_kwarg_names(name):
         check_tool_entries(kwargs["tools"], f"env {name!r}")
+    if name == ENV_NAME:  # its values can be checked without building anything
+        ProgramSpec.from_env_kwargs(kwargs)
 
 
 def check_tool_entries(entries: Any, where: str) -> None:

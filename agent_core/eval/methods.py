@@ -1,21 +1,28 @@
-"""Evaluation methods by name: a policy answers prompts, each answer is scored with EM and F1.
+"""Evaluation methods by name: a policy answers prompts, each answer is scored by the run's scorer
+(`settings.scorer`, a name in agent_core/rewards/scorers.py SCORERS; its EM and F1 go to the table).
 
-Every method has one signature, `(policy_dir, prompts, documents, settings) -> list[EvalEpisode]`,
-and is registered in `EVAL_METHODS`:
+Every method has one signature, `(policy_dir, prompts, documents, settings, roll_out=None) ->
+list[EvalEpisode]`, and is registered in `EVAL_METHODS`. `roll_out` is the rollout driver the agent
+methods run their episodes through: the pipeline passes training's (tasks/_common.py `roll_out`, which
+also runs the envs that need the task layer, such as agent_program); None runs them in this process
+(agent_core/rollout/spec.py `local_roll_out`). A method that does not take `roll_out` is called without it.
 
 - `naive_rag`: retrieve once, answer once. BM25 top-k over the corpus for the question text, the
   passages and the question in ONE user turn (the dataset's system message is kept; its tool
   instructions are not added, since no tool can be called), ONE generation. The prediction is the
   `<answer>` content if there is one, else the whole generation, stripped (a model that ignores
   the instruction still gets credit for a right answer, as in the paper's RAG baseline).
-- `base_tool_call` and `agent`: the real agent loop (`run_episodes`) in the `search_qa` env. They
-  run the same code: the caller passes the untrained policy for the first and a trained
-  checkpoint for the second; both names exist so the eval table says which is which. The
-  prediction is the answer of an episode that ended "answered", "" otherwise.
+- `base_tool_call` and `agent`: the real agent loop in the run's envs (`settings.rollout`: its `env`
+  override, else each prompt's own env; any registered env). They run the same code: the caller
+  passes the untrained policy for the first and a trained checkpoint for the second; both names
+  exist so the eval table says which is which. The prediction is the answer of an episode that
+  ended "answered", "" otherwise.
 
-Where this differs from the training rollout: one episode per prompt (no groups), the env is always
-`search_qa` with `settings.top_k` / `settings.tool_format` (a prompt's own env kwargs are ignored,
-so every method sees the same retrieval), and greedy decoding is temperature 0.
+The loop and sampling settings come from `RolloutSpec` (agent_core/rollout/spec.py), the one place
+training's rollout builds them too: the context mode, observation cut, top_p and budgets are
+training's. Where eval differs from the training rollout: one episode per prompt (no groups), and
+greedy decoding is temperature 0. Settings without a `rollout` (a standalone eval) run the
+`search_qa` env with `settings.top_k` / `settings.tool_format` and the full context, as before.
 
 The `*_episodes` functions take an engine and a tokenizer, so any Engine (a scripted double in
 tests, vLLM) can be evaluated; the registered methods load both from `policy_dir`.
@@ -23,28 +30,24 @@ tests, vLLM) can be evaluated; the registered methods load both from `policy_dir
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+from agent_core.config import RolloutConfig
 from agent_core.data.naive_rag import naive_rag_messages, question_text
-from agent_core.envs.registry import EnvResources, make_env
 from agent_core.envs.search import Bm25Index
-from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.registry import Registry
-from agent_core.rewards.qa import exact_match, f1_score
+from agent_core.rewards.scorers import SCORERS
 from agent_core.progress import report
-from agent_core.rollout.agent_loop import LoopSettings, run_episodes
-from agent_core.rollout.chat import (
-    encode_conversation,
-    eos_token_ids,
-    template_supports_tool_role,
-    template_supports_tools,
-)
+from agent_core.rollout.chat import encode_conversation, eos_token_ids
 from agent_core.rollout.engine import Engine, SamplingParams
 from agent_core.rollout.records import StepRecord
+from agent_core.rollout.spec import RolloutSpec, local_roll_out
 from agent_core.rollout.vllm_server import VLLMOptions
 from agent_core.types import Document, Prompt
 
@@ -60,6 +63,11 @@ class EvalSettings:
     tool_format: the search_qa env's tool-call format. instructions: whether the env adds its tool
     instructions to the system message (as in training). engine: a name in the ENGINES registry.
     device: where an in-process (hf) engine's model lives: a `device` setting (agent_core/devices.py).
+    rollout: the run's rollout section (tasks/evaluate.py `run_eval_settings`): the agent methods then
+    run its envs with its context policy and top_p (`spec`), and tool_format / instructions here are
+    unused; the budgets are always this object's fields (run_eval_settings copies training's). None:
+    the search_qa env with top_k, tool_format and instructions (a standalone eval).
+    scorer: the outcome scorer (SCORERS) whose EM and F1 the table records; a run's reward.scorer.
     """
 
     seed: int = 0
@@ -75,6 +83,8 @@ class EvalSettings:
     max_batch_size: int = 64
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     device: str = "auto"
+    rollout: RolloutConfig | None = None
+    scorer: str = "qa_em"
 
     def __post_init__(self) -> None:
         if not self.greedy and self.temperature <= 0:
@@ -82,12 +92,23 @@ class EvalSettings:
         for name in ("max_new_tokens", "max_steps", "max_context_tokens", "top_k", "max_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EvalSettings.{name} must be >= 1, got {getattr(self, name)}")
+        SCORERS.check(self.scorer)
+
+    def rollout_config(self) -> RolloutConfig:
+        """The rollout section the agent methods run with: the run's, with this object's budgets."""
+        budgets = {"max_new_tokens": self.max_new_tokens, "max_steps": self.max_steps,
+                   "max_context_tokens": self.max_context_tokens}
+        if self.rollout is not None:
+            return self.rollout.model_copy(update=budgets)
+        kwargs = {"top_k": self.top_k, "tool_format": self.tool_format, "instructions": self.instructions}
+        return RolloutConfig(env="search_qa", env_kwargs=kwargs, **budgets)
+
+    def spec(self) -> RolloutSpec:
+        """The loop and sampling settings: training's (RolloutSpec.from_config) made eval's (for_eval)."""
+        return RolloutSpec.from_config(self.rollout_config()).for_eval(greedy=self.greedy, temperature=self.temperature)
 
     def sampling(self, tokenizer) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens, temperature=0.0 if self.greedy else self.temperature,
-            seed=self.seed, stop_token_ids=eos_token_ids(tokenizer),
-        )
+        return self.spec().sampling(self.seed, eos_token_ids(tokenizer))
 
 
 @dataclass(frozen=True)
@@ -110,8 +131,24 @@ class EvalEpisode:
     termination: str | None
 
 
-EvalMethod = Callable[[Path, Sequence[Prompt], Sequence[Document], EvalSettings], list[EvalEpisode]]
+class RollOut(Protocol):
+    """A rollout driver (tasks/_common.py `roll_out`, agent_core/rollout/spec.py `local_roll_out`)."""
+
+    def __call__(self, engine: Engine, tokenizer, prompts: list[Prompt], documents: list[Document],
+                 cfg: RolloutConfig, *, seed: int, policy_version: int, episode_prefix: str,
+                 spec: RolloutSpec) -> list[StepRecord]: ...
+
+
+EvalMethod = Callable[..., list[EvalEpisode]]  # (policy_dir, prompts, documents, settings[, roll_out]) (module docstring)
 EVAL_METHODS: Registry[EvalMethod] = Registry("eval method")
+
+
+def call_method(method: EvalMethod, policy_dir: Path, prompts: Sequence[Prompt], documents: Sequence[Document],
+                settings: EvalSettings, roll_out: RollOut | None = None) -> list[EvalEpisode]:
+    """Run `method`, giving it `roll_out` if it takes one (a plugin's method may not)."""
+    if roll_out is not None and "roll_out" in inspect.signature(method).parameters:
+        return method(policy_dir, prompts, documents, settings, roll_out=roll_out)
+    return method(policy_dir, prompts, documents, settings)
 
 
 def answer_of(text: str) -> str | None:
@@ -120,9 +157,13 @@ def answer_of(text: str) -> str | None:
     return None if found is None else found.group(1).strip()
 
 
-def _scored(prompt: Prompt, prediction: str, **fields) -> EvalEpisode:
-    return EvalEpisode(prompt_id=prompt.prompt_id, data_source=prompt.data_source, prediction=prediction,
-                       em=exact_match(prediction, prompt.answers), f1=f1_score(prediction, prompt.answers), **fields)
+def _scored(prompt: Prompt, answer: str | None, scorer: str, prediction: str | None = None, **fields) -> EvalEpisode:
+    """`answer` (None: no well-formed answer) scored by `scorer`; `prediction` is what the table shows
+    (default the answer, "" for none). The EM and F1 are the scorer's (its format bonus is not reported)."""
+    score = SCORERS.get(scorer)(answer, prompt.answers, format_weight=0.0)
+    shown = (answer or "") if prediction is None else prediction
+    return EvalEpisode(prompt_id=prompt.prompt_id, data_source=prompt.data_source, prediction=shown,
+                       em=score.em, f1=score.f1, **fields)
 
 
 def naive_rag_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], documents: Sequence[Document],
@@ -145,36 +186,44 @@ def naive_rag_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], doc
     for prompt, generation in zip(prompts, generations):
         text = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
         answer = answer_of(text)
+        prediction = text.strip() if answer is None else answer  # the raw text still gets credit (docstring)
         episodes.append(_scored(
-            prompt, text.strip() if answer is None else answer, format_ok=answer is not None, steps=1,
+            prompt, prediction, settings.scorer, format_ok=answer is not None, steps=1,
             tool_calls=0, termination="answered" if answer is not None else None,
         ))
     return episodes
 
 
 def tool_agent_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], documents: Sequence[Document],
-                        settings: EvalSettings) -> list[EvalEpisode]:
-    """One agent-loop episode per prompt in the search_qa env; scored on its final answer."""
-    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
-    resources = EnvResources(search_index=Bm25Index(documents), chat=chat)
-    env_kwargs = {"top_k": settings.top_k, "tool_format": settings.tool_format, "instructions": settings.instructions}
-    loop = LoopSettings(group_size=1, max_steps=settings.max_steps, max_context_tokens=settings.max_context_tokens,
-                        policy_version=0, episode_prefix="eval-")
-    records = run_episodes(engine, tokenizer, prompts, lambda _: make_env("search_qa", env_kwargs, resources),
-                           settings.sampling(tokenizer), loop)
+                        settings: EvalSettings, roll_out: RollOut | None = None) -> list[EvalEpisode]:
+    """One agent-loop episode per prompt in the run's envs, through `roll_out` (default in this
+    process) with the run's loop settings (`settings.spec()`); scored on its final answer."""
+    driver = local_roll_out if roll_out is None else roll_out
+    records = driver(engine, tokenizer, list(prompts), list(documents), settings.rollout_config(), seed=settings.seed,
+                     policy_version=0, episode_prefix="eval-", spec=settings.spec())
+    return agent_episodes(prompts, records, settings.scorer)
+
+
+def agent_episodes(prompts: Sequence[Prompt], records: Sequence[StepRecord], scorer: str) -> list[EvalEpisode]:
+    """The eval episode of each prompt from its episode's steps (one episode per prompt)."""
     by_prompt: dict[str, list[StepRecord]] = {}
     for record in records:
         by_prompt.setdefault(record.prompt_id, []).append(record)
-    return [_agent_episode(prompt, by_prompt[prompt.prompt_id]) for prompt in prompts]
+    missing = [p.prompt_id for p in prompts if p.prompt_id not in by_prompt]
+    if missing:
+        raise ValueError(f"the rollout returned no steps for prompts {', '.join(missing[:5])}; "
+                         "every prompt needs one episode (a rollout driver bug)")
+    return [_agent_episode(prompt, by_prompt[prompt.prompt_id], scorer) for prompt in prompts]
 
 
-def _agent_episode(prompt: Prompt, steps: list[StepRecord]) -> EvalEpisode:
+def _agent_episode(prompt: Prompt, steps: list[StepRecord], scorer: str) -> EvalEpisode:
+    steps = sorted(steps, key=lambda step: step.step_idx)
     last = steps[-1]
     answer = json.loads(last.info).get("answer") if last.termination == "answered" else None
-    prediction = answer if isinstance(answer, str) else ""
+    answer = answer if isinstance(answer, str) else None
     return _scored(
-        prompt, prediction,
-        format_ok=isinstance(answer, str) and all(step.parse_error is None for step in steps),
+        prompt, answer, scorer,
+        format_ok=answer is not None and all(step.parse_error is None for step in steps),
         steps=len(steps), tool_calls=sum(len(json.loads(step.tool_calls)) for step in steps),
         termination=last.termination,
     )
@@ -183,8 +232,10 @@ def _agent_episode(prompt: Prompt, steps: list[StepRecord]) -> EvalEpisode:
 def _with_policy(episodes_fn) -> EvalMethod:
     """A registered method: load the engine and tokenizer of `policy_dir`, run, close the engine."""
 
+    takes_driver = "roll_out" in inspect.signature(episodes_fn).parameters
+
     def method(policy_dir: Path, prompts: Sequence[Prompt], documents: Sequence[Document],
-               settings: EvalSettings) -> list[EvalEpisode]:
+               settings: EvalSettings, roll_out: RollOut | None = None) -> list[EvalEpisode]:
         from agent_core.io.checkpoints import load_tokenizer
         from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 
@@ -194,6 +245,8 @@ def _with_policy(episodes_fn) -> EvalMethod:
                                 vllm=settings.vllm, device=settings.device)
         engine = factory(Path(policy_dir), options)
         try:
+            if takes_driver:
+                return episodes_fn(engine, tokenizer, list(prompts), list(documents), settings, roll_out=roll_out)
             return episodes_fn(engine, tokenizer, list(prompts), list(documents), settings)
         finally:
             close_engine(engine)

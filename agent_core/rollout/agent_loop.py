@@ -320,12 +320,12 @@ def _start_episodes(tokenizer, prompts, make_env, settings: LoopSettings) -> lis
             episodes.append(_Episode(
                 index=len(episodes), episode_id=f"{group_id}-s{sample_idx}", group_id=group_id, prompt=prompt,
                 sample_idx=sample_idx, env=env, context=EpisodeContext(head=list(head)), current_ids=list(head),
-                anchor=_opening_anchor(head),
+                anchor=opening_anchor(head),
             ))
     return episodes
 
 
-def _opening_anchor(head: list[int]) -> str:
+def opening_anchor(head: list[int]) -> str:
     """The anchor of an episode's first state: a hash of its opening context's token ids."""
     digest = hashlib.blake2b(json.dumps(head).encode(), digest_size=8).hexdigest()
     return f"start:{digest}"
@@ -411,7 +411,15 @@ def _record(ep: _Episode, gen: Generation, action_text: str, outcome: EnvStep, o
         retries=gen.retries,
         generated_at=generated_at,
         anchor=ep.anchor,
+        history=_history(ep),
     )
+
+
+def _history(ep: _Episode) -> str:
+    """How the step's context relates to the previous step's (StepRecord.history)."""
+    if not ep.records:
+        return "start"
+    return "appended" if ep.records[-1].prefix_shared else "rewritten"
 
 
 def _call_json(call) -> dict:

@@ -34,6 +34,8 @@ class StepRecord:
     served_by / retries: the inference replica that answered (None in-process) and how many replicas
         failed the same call before it. generated_at: unix time the action came back.
     anchor: the key of the state this step started from (schemas/steps.py; None: none known).
+    history: how prompt_ids relate to the previous step's: "start", "appended" (they start with its
+        prompt + response) or "rewritten" (schemas/steps.py).
     """
 
     episode_id: str
@@ -60,6 +62,7 @@ class StepRecord:
     retries: int = 0
     generated_at: float = field(default_factory=time.time)
     anchor: str | None = None
+    history: str | None = None
 
 
 def storable_env_step(outcome: EnvStep) -> EnvStep:

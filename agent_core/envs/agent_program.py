@@ -1,0 +1,263 @@
+"""Run an existing agent program once per prompt: the process side of env `agent_program`.
+
+The program is any command (an argv list, `env_kwargs.command`). Each run gets the prompt as one
+JSON object on stdin (stdin is then closed), the caller's environment plus the job's variables
+(OPENAI_BASE_URL, OPENAI_API_KEY, AGENTR1_*), and the directory of the trainer's own Python first
+on PATH, so `command: [python, agent.py]` runs under the interpreter that has the project and its
+`openai` extra installed. It must print its final answer as the last non-empty line of stdout, a
+JSON object `{"answer": "<text>"}`; anything before that line is ignored.
+
+Every fault of the program is a failed outcome with a one-line reason, never an exception: it
+could not start, it exited non-zero or was killed by a signal, it ran past `timeout_s` (its whole
+process group gets SIGTERM, then SIGKILL after a short grace, so the tools and shells it started
+die with it), or its last stdout line is not such an object. After every run, even a clean one,
+the group is killed: a program cannot leave processes behind in it. Known limit: a grandchild that
+calls setsid() leaves the group and outlives the run.
+
+stdout and stderr are drained by threads as the program writes (a full pipe never blocks it), and
+only the LAST `max_output_bytes` of each are kept (the answer is the last line); the outcome notes
+what was dropped. No disk is touched: the prompt goes through a pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+# Private helpers of the sandbox, shared rather than copied: waiting without reaping keeps the
+# pid (= the group id) from being reused before the group is killed.
+from agent_core.envs.sandbox import _kill_group, _signal_name, _wait_unreaped
+
+ENV_NAME = "agent_program"
+STDERR_TAIL_BYTES = 2048
+TERM_GRACE_S = 1.0  # between SIGTERM and SIGKILL of a program past its limit
+_DRAIN_GRACE_S = 2.0  # how long to wait for the pipes to reach EOF once the group is dead
+_REASON_CHARS = 300  # of stderr or stdout quoted in a failure line
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """How to run the program, from `rollout.env_kwargs` of env agent_program (see from_env_kwargs)."""
+
+    command: tuple[str, ...]
+    timeout_s: float = 60.0
+    max_parallel: int = 4
+    max_output_bytes: int = 1_000_000
+
+    @classmethod
+    def from_env_kwargs(cls, kwargs: Mapping[str, Any]) -> "ProgramSpec":
+        """ValueError (one line, naming the key) unless `kwargs` is a valid spec: command is a
+        non-empty list of strings, timeout_s a positive finite number, max_parallel and
+        max_output_bytes positive ints; no other keys."""
+        where = f"env {ENV_NAME!r}: env_kwargs"
+        if not isinstance(kwargs, Mapping):
+            raise ValueError(f"{where} must be a mapping with at least `command`, got {kwargs!r}")
+        unknown = sorted(set(kwargs) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"valid keys: {', '.join(_FIELDS)}")
+        if "command" not in kwargs:
+            raise ValueError(f"{where}.command is required: the program's argv as a list, "
+                             "e.g. {command: [python, examples/openai_agent/agent.py]}")
+        command = kwargs["command"]
+        if isinstance(command, str) or not isinstance(command, Sequence) or not command or not all(
+                _argv_part(part) for part in command):
+            raise ValueError(f"{where}.command must be a non-empty list of non-empty strings (the argv, "
+                             f"e.g. [python, agent.py]), got {command!r}")
+        timeout_s = kwargs.get("timeout_s", cls.timeout_s)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+                timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"{where}.timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        counts = {key: kwargs.get(key, getattr(cls, key)) for key in ("max_parallel", "max_output_bytes")}
+        for key, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}.{key} must be an int >= 1, got {value!r}")
+        return cls(command=tuple(map(_argv_part, command)), timeout_s=float(timeout_s), **counts)
+
+
+_FIELDS = ("command", "timeout_s", "max_parallel", "max_output_bytes")
+
+
+def _argv_part(part: Any) -> str:
+    """`part` as an argv string, "" if it cannot be one. Numbers are taken as written: YAML reads the
+    4 of `[agent.py, --max-turns, 4]` as an int. Booleans are not (YAML's `yes`, `on` are ambiguous)."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, (int, float)) and not isinstance(part, bool):
+        return str(part)
+    return ""
+
+
+@dataclass(frozen=True)
+class ProgramJob:
+    """One run. key: the episode id. stdin: the JSON object written to its stdin. env: variables
+    added to the caller's environment."""
+
+    key: str
+    stdin: dict[str, Any]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class ProgramOutcome:
+    """How one run ended. answer: from the last stdout line (None on failure). failure: None if it
+    ended well, else one line saying why. returncode: negative for a signal, None if never started."""
+
+    key: str
+    answer: str | None
+    failure: str | None
+    returncode: int | None
+    seconds: float
+    stderr_tail: str
+
+
+def run_programs(spec: ProgramSpec, jobs: Sequence[ProgramJob],
+                 on_done: Callable[[ProgramOutcome], None] | None = None) -> list[ProgramOutcome]:
+    """Run every job, at most spec.max_parallel at once; call on_done (from a worker thread) as each
+    ends; return the outcomes in job order. Never raises for a program's fault (an exception raised
+    by on_done itself is re-raised here, after every job has ended)."""
+    if not jobs:
+        return []
+
+    def run_and_report(job: ProgramJob) -> ProgramOutcome:
+        outcome = run_program(spec, job)
+        if on_done is not None:
+            on_done(outcome)
+        return outcome
+
+    with ThreadPoolExecutor(max_workers=min(spec.max_parallel, len(jobs)),
+                            thread_name_prefix="agent-program") as pool:
+        futures = [pool.submit(run_and_report, job) for job in jobs]
+    return [future.result() for future in futures]
+
+
+def run_program(spec: ProgramSpec, job: ProgramJob) -> ProgramOutcome:
+    """One run of the program for `job` (see the module docstring); never raises for its faults."""
+    started = time.monotonic()
+
+    def failed(reason: str, returncode: int | None = None, stderr: str = "") -> ProgramOutcome:
+        return ProgramOutcome(job.key, None, reason, returncode, time.monotonic() - started, stderr)
+
+    try:
+        payload = (json.dumps(job.stdin, ensure_ascii=False) + "\n").encode("utf-8")
+    except (TypeError, ValueError) as error:
+        return failed(f"the prompt could not be written as JSON for the program's stdin: {error}")
+    try:
+        process = subprocess.Popen(list(spec.command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, env=_environment(job.env), start_new_session=True)
+    except (OSError, ValueError) as error:
+        return failed(f"could not start {spec.command[0]!r}: {_one_line(str(error))}")
+    stdout, stderr = (_TailReader(stream, spec.max_output_bytes) for stream in (process.stdout, process.stderr))
+    threading.Thread(target=_feed, args=(process.stdin, payload), daemon=True).start()
+    timed_out = not _wait_unreaped(process.pid, spec.timeout_s)
+    if timed_out:
+        _terminate_group(process.pid)
+    _kill_group(process.pid)  # also whatever the program left running in its group
+    returncode = process.wait()
+    for reader in (stdout, stderr):
+        reader.join(_DRAIN_GRACE_S)
+    stderr_text = stderr.text()
+    stderr_tail = stderr_text[-STDERR_TAIL_BYTES:]
+    if timed_out:
+        return failed(f"timed out after {spec.timeout_s:g} s (process group killed)", returncode, stderr_tail)
+    if returncode != 0:
+        what = f"killed by signal {_signal_name(-returncode)}" if returncode < 0 else f"exit code {returncode}"
+        return failed(f"{what}: {_tail_line(stderr_text) or '(no stderr)'}", returncode, stderr_tail)
+    answer, problem = parse_answer(stdout.text())
+    if problem is not None:
+        dropped = f" (stdout over {spec.max_output_bytes} bytes, only its end kept)" if stdout.dropped else ""
+        return failed(problem + dropped, returncode, stderr_tail)
+    return ProgramOutcome(job.key, answer, None, returncode, time.monotonic() - started, stderr_tail)
+
+
+def parse_answer(stdout: str) -> tuple[str | None, str | None]:
+    """(answer, None) from the last non-empty line of `stdout` when it is a JSON object with a
+    string "answer"; else (None, a one-line reason)."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        return None, "no JSON answer: stdout was empty (print {\"answer\": ...} as the last line)"
+    last = lines[-1].strip()
+    try:
+        value = json.loads(last)
+    except ValueError:
+        return None, f"no JSON answer on the last stdout line: {_quote(last)}"
+    if not isinstance(value, dict) or not isinstance(value.get("answer"), str):
+        return None, f"the last stdout line is not a JSON object with a string \"answer\": {_quote(last)}"
+    return value["answer"], None
+
+
+def _environment(extra: Mapping[str, str]) -> dict[str, str]:
+    environment = {**os.environ, **{str(key): str(value) for key, value in extra.items()}}
+    # Popen looks argv[0] up on the child's PATH: `python` is then this interpreter, with the project
+    interpreter_dir = os.path.dirname(sys.executable)
+    environment["PATH"] = os.pathsep.join(part for part in (interpreter_dir, environment.get("PATH", "")) if part)
+    return environment
+
+
+def _feed(stdin, payload: bytes) -> None:
+    """Write the prompt and close stdin, in its own thread: a program that never reads its stdin
+    must not block the caller on a full pipe."""
+    try:
+        with stdin:
+            stdin.write(payload)
+    except (BrokenPipeError, OSError, ValueError):
+        pass  # the program exited or closed stdin without reading it: its own business
+
+
+def _terminate_group(pgid: int) -> None:
+    """SIGTERM to the group (a chance to clean up), then wait for the leader up to TERM_GRACE_S;
+    the caller's SIGKILL follows in any case."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    _wait_unreaped(pgid, TERM_GRACE_S)
+
+
+class _TailReader(threading.Thread):
+    """Drains one pipe to EOF, keeping its last `limit` bytes (a flood of output never fills the
+    caller's memory, and the last line, the answer, is what is kept)."""
+
+    def __init__(self, stream, limit: int):
+        super().__init__(daemon=True)  # a grandchild holding the pipe must not hang the caller
+        self.stream, self.limit, self.kept, self.dropped = stream, limit, bytearray(), 0
+        self.lock = threading.Lock()
+        self.start()
+
+    def run(self) -> None:
+        with self.stream:
+            while chunk := self.stream.read1(65536):
+                with self.lock:
+                    self.kept += chunk
+                    if len(self.kept) > self.limit:
+                        excess = len(self.kept) - self.limit
+                        del self.kept[:excess]
+                        self.dropped += excess
+
+    def text(self) -> str:
+        with self.lock:
+            return bytes(self.kept).decode("utf-8", errors="replace")
+
+
+def _tail_line(text: str) -> str:
+    """The end of `text` as one line: its last non-empty lines joined, at most _REASON_CHARS."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    joined = " | ".join(lines[-3:])
+    return joined if len(joined) <= _REASON_CHARS else "..." + joined[-_REASON_CHARS:]
+
+
+def _quote(text: str) -> str:
+    return repr(text if len(text) <= _REASON_CHARS else text[:_REASON_CHARS] + "...")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -1,0 +1,161 @@
+"""How the gateway calls the engine: as well as the in-process agent loop does (agent_core/rollout/agent_loop.py).
+
+Requests reach the gateway one sequence at a time, each on its own server thread. `EngineQueue`
+turns them into engine calls:
+
+- An engine that takes N > 1 calls at once (`concurrent_calls`: a vLLM server, which batches across
+  calls itself) gets up to N calls in flight, one request each (a semaphore): waiting to batch
+  would gain nothing, as rule (c) of the loop says.
+- A serial engine (hf: one call at a time) gets a batching queue: the requests queued when the
+  engine is free go out as ONE generate call, as many as share their sampling settings
+  (`Engine.generate` takes one SamplingParams for all its prompts, so requests that differ in
+  max_new_tokens, temperature, top_p or stop_token_ids go in separate calls, oldest first). Seeds
+  need not agree: each prompt of the call samples with its own request's seed (`prompt_seeds`),
+  so batching changes no request's seed. A free engine with requests queued sends them at once
+  when no other active episode could join (every open episode that has made a request has one
+  queued: the loop's rule (a); an episode stops counting when it finishes); else it waits for them
+  at most `window_s`, counted from when the call could first have been sent (rule (b), the loop's
+  straggler wait). Requests that arrive
+  while a call runs join the next one.
+
+The queue has no thread of its own: the first request thread to find the engine free leads, runs
+calls until its own request is served, then hands the lead to a waiting thread (leader/follower),
+so nothing must be started or stopped with the gateway. Each request gets back its own
+`Generation` (the engine's output for its sequence, untouched), the call's wall seconds and how
+many sequences shared the call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from agent_core.rollout.engine import Engine, Generation, SamplingParams, concurrent_calls
+
+DEFAULT_WINDOW_S = 0.05  # program round trips between calls are milliseconds; bench/gateway.py measures
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request's share of an engine call: its own generation, the call's wall seconds, the
+    number of sequences the call held, and the params the call ran with (its seeds included)."""
+
+    generation: Generation
+    seconds: float
+    batch_size: int
+    params: SamplingParams
+
+
+@dataclass(eq=False)
+class _Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    session: str
+    arrived: float
+    served: Served | None = None
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.served is not None or self.error is not None
+
+
+def _shareable(params: SamplingParams) -> tuple[SamplingParams, bool]:
+    """What must be equal for two requests to share one call: everything but the seed's value."""
+    return replace(params, seed=None, prompt_seeds=None), params.seed is None
+
+
+class EngineQueue:
+    """The engine as the gateway's request threads use it (module docstring). Thread-safe.
+
+    active_episodes: how many open episodes have made a request (the ones that could join a call).
+    """
+
+    def __init__(self, engine: Engine, active_episodes: Callable[[], int], window_s: float = DEFAULT_WINDOW_S):
+        self.engine, self.active_episodes, self.window_s = engine, active_episodes, window_s
+        self.slots = concurrent_calls(engine)
+        self._semaphore = threading.BoundedSemaphore(self.slots)
+        self._cond = threading.Condition()
+        self._queue: list[_Job] = []
+        self._leading = False
+        self._free_since = time.perf_counter()  # when the serial engine last finished a call
+        self.calls = 0  # generate calls made, for tests and the benchmark
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, session: str) -> Served:
+        """The engine's generation for one sequence (raises the engine's error for its call)."""
+        if self.slots > 1:
+            with self._semaphore:
+                return self._call([_Job(prompt_ids, params, session, time.perf_counter())])[0]
+        job = _Job(prompt_ids, params, session, time.perf_counter())
+        with self._cond:
+            self._queue.append(job)
+            self._cond.notify_all()  # a leader waiting for stragglers counts again
+            while not job.done and self._leading:
+                self._cond.wait()
+            if not job.done:
+                self._leading = True
+        if not job.done:
+            try:
+                self._lead_until(job)
+            finally:
+                with self._cond:
+                    self._leading = False
+                    self._cond.notify_all()  # a queued thread takes the lead
+        if job.error is not None:
+            raise job.error
+        return job.served
+
+    def episodes_changed(self) -> None:
+        """An episode finished: a leader waiting for its request stops waiting for it."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _lead_until(self, own: _Job) -> None:
+        """Run calls for the queue until `own` is served."""
+        while not own.done:
+            batch = self._next_batch()
+            try:
+                served = self._call(batch)
+            except BaseException as error:  # every request of the call gets its error
+                served = None
+                for job in batch:
+                    job.error = error
+            with self._cond:
+                self._free_since = time.perf_counter()
+                for job, result in zip(batch, served or ()):
+                    job.served = result
+                self._cond.notify_all()
+
+    def _next_batch(self) -> list[_Job]:
+        """The oldest queued request and those that can share its call, once the rules allow (docstring)."""
+        with self._cond:
+            while True:
+                deadline = max(self._free_since, self._queue[0].arrived) + self.window_s
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0 or len(self._queue) >= self.active_episodes():
+                    break
+                self._cond.wait(remaining)
+            key = _shareable(self._queue[0].params)
+            batch = [job for job in self._queue if _shareable(job.params) == key]
+            self._queue = [job for job in self._queue if _shareable(job.params) != key]
+            return batch
+
+    def _call(self, batch: list[_Job]) -> list[Served]:
+        """One generate call for `batch`, each sequence with its own request's seed."""
+        shared, unseeded = _shareable(batch[0].params)
+        seeds = tuple(job.params.seed for job in batch)  # all None or none (_shareable)
+        params = shared if unseeded else replace(shared, seed=seeds[0], prompt_seeds=seeds)
+        prompts = [job.prompt_ids for job in batch]
+        started = time.perf_counter()
+        if getattr(self.engine, "routes_sessions", False):
+            generations = self.engine.generate(prompts, params, sessions=[job.session for job in batch])
+        else:
+            generations = self.engine.generate(prompts, params)
+        seconds = time.perf_counter() - started
+        if len(generations) != len(batch):
+            raise RuntimeError(f"engine returned {len(generations)} generations for {len(batch)} prompts")
+        with self._cond:
+            self.calls += 1
+        return [Served(generation, seconds, len(batch), params) for generation in generations]

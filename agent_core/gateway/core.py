@@ -1,0 +1,266 @@
+"""The gateway's work without HTTP: episodes and their tokens, one completion, the record of each call.
+
+Each episode has its own bearer token (`secrets.token_urlsafe`); a request is served only under the
+token of an open episode, and is recorded under that episode alone. Finishing an episode revokes its
+token at once: a request already in flight when it finishes is answered but not recorded.
+
+Token ids are never re-derived from text where the agent did not change it: when a request's
+messages are the previous request's messages, then the reply the gateway returned (unchanged), then
+new tool/user messages, the prompt is the previous prompt ids + the sampled response ids + the new
+messages' ids with the template's glue (`encode_observation_messages`), exactly as the in-process
+agent loop builds contexts; the episode then packs into one training sequence. Any other request
+(the agent rewrote, dropped or reordered its history) is rendered whole with the chat template.
+
+The engine is used as the in-process agent loop uses it (agent_core/gateway/batching.py): a
+concurrent engine (vLLM) gets up to `concurrent_calls` requests in flight at once; a serial one (hf)
+gets the requests that are queued together as one generate call, those with the same sampling
+settings, after waiting at most `GatewayLimits.batch_window_s` for the other active episodes. Each
+request samples with its own seed (from the run's seed, the episode's number and the call's index),
+recorded with it, whether or not it shared its engine call (the call gives each prompt its own seed,
+`SamplingParams.prompt_seeds`), so a call can be reproduced from its prompt ids and seed alone: with
+the hf engine, up to the float noise that a different left-padding width in a shared call adds to
+the logits (~1e-6 on log-probs; HFEngine's docstring). `batch_size` records how many sequences
+shared the call, and `generate_seconds` is that whole call's wall time.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from agent_core.envs.tool_env import ChatCapabilities
+from agent_core.gateway.batching import DEFAULT_WINDOW_S, EngineQueue
+from agent_core.gateway.openai_format import (
+    ChatRequest, chat_messages, completion_body, conversation, parse_tool_calls, same_assistant_turn, template_tools,
+)
+from agent_core.rollout.chat import encode_conversation, encode_observation_messages, eos_token_ids
+from agent_core.rollout.engine import Engine, SamplingParams
+from agent_core.rollout.records import json_text
+
+_SEED_STRIDE = 1_000  # calls per episode before two episodes' seeds could meet
+
+
+class GatewayError(Exception):
+    """A request refused: HTTP `status`, one-line message, OpenAI error `code`."""
+
+    def __init__(self, status: int, message: str, code: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass(frozen=True)
+class GatewayCall:
+    """One served completion, as the engine saw and produced it.
+
+    prompt_ids: the ids after the chat template (or the append path, module docstring).
+    finish_reason: the engine's ("stop" or "length"; a stop string counts as "stop").
+    tool_calls: JSON list of the parsed calls ({name, arguments}); parse_error: why calls could
+    not be read (None when they could, or no tools were offered). seed: what the call sampled with.
+    """
+
+    call_idx: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    response_text: str
+    finish_reason: str
+    tool_calls: str
+    parse_error: str | None
+    seed: int | None
+    appended: bool  # its prompt was built by appending to the previous call's (module docstring)
+    policy_version: int | None = None
+    served_by: str | None = None
+    retries: int = 0
+    generated_at: float = 0.0
+    generate_seconds: float = 0.0
+    requested: str = "{}"  # JSON: sampling fields the request asked for that the run's settings overrode
+    batch_size: int = 1  # sequences in the engine call that generated it (module docstring)
+
+
+@dataclass(frozen=True)
+class EpisodeCalls:
+    """What an episode did through the gateway: its calls in order, and the budget that refused a
+    request if one did ("max_steps": call budget, "max_context": prompt + max_tokens too long)."""
+
+    episode_id: str
+    calls: tuple[GatewayCall, ...]
+    budget_hit: str | None = None
+
+
+@dataclass(frozen=True)
+class GatewayLimits:
+    """max_calls: calls an episode may make (the rollout's max_steps). max_context_tokens: prompt
+    plus generated tokens per call. honor_request_sampling: use a request's temperature / top_p (an
+    evaluation may); off in training, where log-probs must come from the run's sampling settings.
+    batch_window_s: with a serial engine, how long a free engine waits for the other active
+    episodes' requests before it generates for those queued (agent_core/gateway/batching.py)."""
+
+    max_calls: int
+    max_context_tokens: int
+    honor_request_sampling: bool = False
+    batch_window_s: float = DEFAULT_WINDOW_S
+
+
+@dataclass
+class _Episode:
+    episode_id: str
+    number: int
+    calls: list[GatewayCall] = field(default_factory=list)
+    budget_hit: str | None = None
+    active: bool = False  # it has made a request: the engine queue may wait for its next one
+    last: tuple | None = None  # (messages, tools, prompt ids, reply content, reply tool_calls) of the last call
+
+
+class GatewayCore:
+    """Episodes, tokens and completions (module docstring). Thread-safe."""
+
+    def __init__(self, engine: Engine, tokenizer, sampling: SamplingParams, limits: GatewayLimits,
+                 chat: ChatCapabilities, model_name: str = "policy"):
+        self.engine, self.tokenizer, self.sampling, self.limits = engine, tokenizer, sampling, limits
+        self.chat, self.model_name = chat, model_name
+        self.end_of_turn_ids = frozenset(eos_token_ids(tokenizer))
+        self._episodes: dict[str, _Episode] = {}  # token -> open episode
+        self._lock = threading.Lock()  # the episode table
+        self._opened = self._active = 0
+        self.engine_queue = EngineQueue(engine, self._active_episodes, limits.batch_window_s)
+
+    def open_episode(self, episode_id: str) -> str:
+        """A new episode's bearer token."""
+        token = f"agr1-{secrets.token_urlsafe(24)}"
+        with self._lock:
+            self._episodes[token] = _Episode(episode_id, self._opened)
+            self._opened += 1
+        return token
+
+    def finish_episode(self, token: str) -> EpisodeCalls:
+        """The episode's calls; its token is refused from now on. KeyError for an unknown token."""
+        with self._lock:
+            episode = self._episodes.pop(token)
+            self._active -= episode.active
+        self.engine_queue.episodes_changed()
+        return EpisodeCalls(episode.episode_id, tuple(episode.calls), episode.budget_hit)
+
+    def is_open(self, token: str) -> bool:
+        with self._lock:
+            return token in self._episodes
+
+    def complete(self, token: str, request: ChatRequest) -> dict[str, Any]:
+        """Serve one request of the episode holding `token`; the OpenAI response body. GatewayError
+        for an unknown or finished token (401) or a request over the episode's budgets (400)."""
+        episode = self._episode(token, activate=True)
+        call_idx = len(episode.calls)
+        if call_idx >= self.limits.max_calls:
+            self._refuse(episode, "max_steps")
+            raise GatewayError(400, f"this episode has used its {self.limits.max_calls} calls (rollout.max_steps)",
+                               "max_steps")
+        prompt_ids, appended = self._prompt_ids(episode, request)
+        params, requested = self._params(request, episode, call_idx)
+        if len(prompt_ids) + params.max_new_tokens > self.limits.max_context_tokens:
+            self._refuse(episode, "max_context")
+            raise GatewayError(400, f"the prompt is {len(prompt_ids)} tokens; with max_tokens={params.max_new_tokens} it "
+                               f"exceeds the context of {self.limits.max_context_tokens} tokens",
+                               "context_length_exceeded")
+        served = self.engine_queue.generate(prompt_ids, params, episode.episode_id)
+        generation = served.generation
+        ids, logprobs, text, finish = cut_at_stop(self.tokenizer, generation, request.stop)
+        content, tool_calls, action = parse_tool_calls(text, request)
+        errors = [] if action is None else [f"{e.kind}: {e.message}" for e in action.errors]
+        call = GatewayCall(
+            call_idx=call_idx, prompt_ids=prompt_ids, response_ids=ids, response_logprobs=logprobs,
+            response_text=text, finish_reason=finish,
+            tool_calls=json_text([{"name": c.name, "arguments": c.arguments} for c in (action.calls if action else ())]),
+            parse_error="; ".join(errors) or None, seed=params.seed, appended=appended,
+            policy_version=generation.policy_version, served_by=generation.served_by, retries=generation.retries,
+            generated_at=time.time(), generate_seconds=round(served.seconds, 6), requested=json_text(requested),
+            batch_size=served.batch_size,
+        )
+        self._record(token, episode, call, request, content, tool_calls)
+        return completion_body(model=self.model_name, content=content, tool_calls=tool_calls, finish_reason=finish,
+                               prompt_tokens=len(prompt_ids), completion_tokens=len(ids))
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def _episode(self, token: str, activate: bool = False) -> _Episode:
+        with self._lock:
+            episode = self._episodes.get(token)
+            if activate and episode is not None and not episode.active:
+                episode.active = True
+                self._active += 1
+        if episode is None:
+            raise GatewayError(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
+        return episode
+
+    def _refuse(self, episode: _Episode, budget: str) -> None:
+        with self._lock:
+            episode.budget_hit = episode.budget_hit or budget
+
+    def _record(self, token: str, episode: _Episode, call: GatewayCall, request: ChatRequest, content: str,
+                tool_calls: list[dict]) -> None:
+        with self._lock:
+            if self._episodes.get(token) is not episode:  # finished while generating: not part of it
+                raise GatewayError(401, "the episode finished while this request was served", "invalid_api_key")
+            episode.calls.append(replace(call, call_idx=len(episode.calls)))
+            episode.last = (request.messages, request.tools, call, content, tool_calls)
+
+    def _prompt_ids(self, episode: _Episode, request: ChatRequest) -> tuple[list[int], bool]:
+        """(prompt ids, whether they extend the last call's prompt + response): module docstring."""
+        with self._lock:
+            last = episode.last
+        if last is not None:
+            messages, tools, call, content, tool_calls = last
+            n = len(messages)
+            tail = request.messages[n + 1:]
+            if (request.tools == tools and len(request.messages) > n + 1 and tuple(request.messages[:n]) == messages
+                    and same_assistant_turn(request.messages[n], content, tool_calls)
+                    and all(m["role"] in ("user", "tool") for m in tail)):
+                ended = bool(call.response_ids) and call.response_ids[-1] in self.end_of_turn_ids
+                glue = encode_observation_messages(self.tokenizer, chat_messages(tail, self.chat), ended,
+                                                   tools=template_tools(request, self.chat))
+                return [*call.prompt_ids, *call.response_ids, *glue], True
+        try:
+            messages, tools = conversation(request, self.chat)
+            return encode_conversation(self.tokenizer, messages, tools=tools), False
+        except ValueError as error:  # a template that cannot render this conversation
+            raise GatewayError(400, f"the chat template cannot render these messages: {error}", "invalid_messages") from None
+
+    def _params(self, request: ChatRequest, episode: _Episode, call_idx: int) -> tuple[SamplingParams, dict]:
+        """The call's sampling settings, and what the request asked for that they override."""
+        base, requested = self.sampling, {}
+        max_new = min(request.max_tokens or base.max_new_tokens, base.max_new_tokens)
+        temperature, top_p = base.temperature, base.top_p
+        for name, value in (("temperature", request.temperature), ("top_p", request.top_p)):
+            if value is not None and value != getattr(base, name):
+                if self.limits.honor_request_sampling:
+                    temperature, top_p = (value, top_p) if name == "temperature" else (temperature, value)
+                else:
+                    requested[name] = value
+        if top_p <= 0:
+            top_p = base.top_p
+        seed = None if base.seed is None else base.seed + episode.number * _SEED_STRIDE + call_idx
+        return replace(base, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed,
+                       prompt_seeds=None), requested
+
+    def _active_episodes(self) -> int:
+        """Open episodes that have made a request (called by the engine queue, never under self._lock)."""
+        with self._lock:
+            return self._active
+
+
+def cut_at_stop(tokenizer, generation: Generation, stops: tuple[str, ...]) -> tuple[list[int], list[float], str, str]:
+    """(ids, log-probs, text, finish reason) of `generation` ended at the first stop string, if one
+    occurs: the ids are kept up to the token that completes it (they were sampled; the text is cut
+    before the stop string, as OpenAI returns it)."""
+    ids, logprobs = list(generation.token_ids), list(generation.logprobs)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if not stops or not any(stop in text for stop in stops):
+        return ids, logprobs, text, generation.finish_reason
+    for k in range(1, len(ids) + 1):
+        prefix = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        hits = [prefix.index(stop) for stop in stops if stop in prefix]
+        if hits:
+            return ids[:k], logprobs[:k], prefix[:min(hits)], "stop"
+    return ids, logprobs, text, generation.finish_reason
+

@@ -1,0 +1,216 @@
+"""OpenAI chat-completions requests in, typed; the policy's chat messages out; OpenAI responses back.
+
+Only what the gateway serves is read (model, messages, tools, tool_choice, temperature, top_p,
+max_tokens / max_completion_tokens, stop, n, stream); other fields are ignored, as OpenAI-compatible
+servers do. A request the gateway cannot serve is a `RequestError` (HTTP 400, one line).
+
+How an OpenAI conversation becomes the policy's chat messages (the same as our `tool_env` with the
+hermes format, so a policy trained in either sees one convention):
+- tools: listed by the chat template when it renders `tools=`, else written into the system message
+  as the hermes format's tool instructions (without our envs' `<answer>` instructions: a program
+  gives its answer on stdout, not in the policy's text);
+- an assistant message with `tool_calls`: its content followed by one hermes `<tool_call>` block per
+  call (the layout `HermesFormat.format_calls` writes);
+- a `tool` message: a "tool" turn where the template has a tool role, else a user turn wrapping the
+  result in `<tool_response>` tags (`HermesFormat.observation_messages`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from agent_core.envs.formats.actions import ParsedAction, ParsedCall
+from agent_core.envs.formats.hermes import HermesFormat
+from agent_core.envs.tool_env import ChatCapabilities, add_instructions
+from agent_core.types import ChatMessage
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+_HERMES = HermesFormat()
+
+
+class RequestError(ValueError):
+    """A request the gateway refuses (HTTP 400); the message is one line."""
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """What the gateway reads from one chat-completions request."""
+
+    model: str
+    messages: tuple[Mapping[str, Any], ...]  # as sent (OpenAI shape), checked
+    tools: tuple[Mapping[str, Any], ...]
+    tool_choice: Any
+    temperature: float | None
+    top_p: float | None
+    max_tokens: int | None
+    stop: tuple[str, ...]
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """The request in `body` (decoded JSON), or RequestError naming the bad field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if body.get("stream"):
+        raise RequestError("stream=true is not supported by this gateway: send non-streaming requests")
+    if body.get("n", 1) != 1:
+        raise RequestError(f"n={body.get('n')!r} is not supported: one choice per request (n=1)")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    for index, message in enumerate(messages):
+        _check_message(message, index)
+    tools = body.get("tools") or []
+    if not isinstance(tools, list) or not all(_is_function_tool(tool) for tool in tools):
+        raise RequestError('tools must be a list of {"type": "function", "function": {"name": ...}} objects')
+    tool_choice = body.get("tool_choice", "auto")
+    if tool_choice not in ("auto", "none", "required") and not isinstance(tool_choice, dict):
+        raise RequestError(f"tool_choice {tool_choice!r} is not one of auto, none, required or a function")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise RequestError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    return ChatRequest(
+        model=str(body.get("model", "")), messages=tuple(messages), tools=tuple(tools), tool_choice=tool_choice,
+        temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
+        max_tokens=max_tokens, stop=tuple(stop),
+    )
+
+
+def _number(body: Mapping[str, Any], key: str, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise RequestError(f"{key} must be a number in [{low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def _is_function_tool(tool: Any) -> bool:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return (tool.get("type", "function") == "function" and isinstance(function, dict)
+            and isinstance(function.get("name"), str) and bool(function["name"]))
+
+
+def _check_message(message: Any, index: int) -> None:
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise RequestError(f"messages[{index}] must be an object with a role in {', '.join(ROLES)}")
+    content = message.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        raise RequestError(f"messages[{index}].content must be a string, a list of text parts or null")
+    if isinstance(content, list) and not all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+        raise RequestError(f"messages[{index}].content: only text parts are supported")
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list) or not all(_is_call(call) for call in calls):
+        raise RequestError(f"messages[{index}].tool_calls must be a list of function calls with name and arguments")
+
+
+def _is_call(call: Any) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+def _call_arguments(raw: Any) -> Any:
+    """A call's arguments as the policy wrote them: OpenAI sends them as a JSON string."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return {} if raw is None else raw
+
+
+def chat_messages(messages: Sequence[Mapping[str, Any]], chat: ChatCapabilities) -> list[ChatMessage]:
+    """OpenAI `messages` as the policy's chat messages (module docstring); tools are `template_tools`'s."""
+    converted: list[ChatMessage] = []
+    for message in messages:
+        role, content = message["role"], _text(message.get("content"))
+        if role == "developer":
+            role = "system"
+        if role == "assistant" and message.get("tool_calls"):
+            calls = [ParsedCall(c["function"]["name"], _call_arguments(c["function"].get("arguments")))
+                     for c in message["tool_calls"]]
+            blocks = _HERMES.format_calls(calls)
+            content = f"{content}\n{blocks}" if content else blocks
+        if role == "tool":
+            converted.extend(_HERMES.observation_messages([("tool", content)], chat.tool_role))
+        else:
+            converted.append(ChatMessage(role, content))
+    return converted
+
+
+def conversation(request: ChatRequest, chat: ChatCapabilities) -> tuple[list[ChatMessage], list[dict] | None]:
+    """(the whole conversation as chat messages, the tools for the template's `tools=` or None):
+    tools the template cannot list go into the system message (module docstring)."""
+    messages = chat_messages(request.messages, chat)
+    tools = template_tools(request, chat)
+    if request.tools and request.tool_choice != "none" and tools is None:
+        listing = _HERMES.system_prompt(request.tools).removesuffix("\n\n" + _HERMES.answer_instructions)
+        return list(add_instructions(messages, listing)), None
+    return messages, tools
+
+
+def template_tools(request: ChatRequest, chat: ChatCapabilities) -> list[dict] | None:
+    """The tools to pass the chat template as `tools=`, None where it cannot list them or none are offered."""
+    if not request.tools or request.tool_choice == "none" or not chat.tools_in_template:
+        return None
+    return [dict(tool) for tool in request.tools]
+
+
+def same_assistant_turn(message: Mapping[str, Any], content: str, tool_calls: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether `message` (sent back by the agent) is the reply the gateway returned, unchanged."""
+    if message.get("role") != "assistant" or _text(message.get("content")) != (content or ""):
+        return False
+    sent = [(c["function"]["name"], c["function"].get("arguments")) for c in message.get("tool_calls") or []]
+    return sent == [(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls]
+
+
+def parse_tool_calls(text: str, request: ChatRequest) -> tuple[str, list[dict], ParsedAction | None]:
+    """(content, OpenAI tool_calls, the parse) of generated `text`: hermes calls when the request
+    offered tools, the whole text as content otherwise. Content is the text before the first call."""
+    if not request.tools or request.tool_choice == "none":
+        return text, [], None
+    action = _HERMES.parse(text)
+    if not action.calls:
+        return text, [], action
+    content = text.split("<tool_call>", 1)[0].strip()
+    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+              "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+             for call in action.calls]
+    return content, calls, action
+
+
+def completion_body(*, model: str, content: str, tool_calls: Sequence[dict], finish_reason: str,
+                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """An OpenAI chat.completion object with one choice."""
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if tool_calls else "")}
+    if tool_calls:
+        message["tool_calls"] = list(tool_calls)
+    reason = "tool_calls" if tool_calls else finish_reason
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": model, "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+def error_body(message: str, kind: str, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape (the `openai` client raises it as APIStatusError with this message)."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}

@@ -1,0 +1,150 @@
+"""Env `agent_program`'s rollout: the agent's own program, run once per (prompt, sample), talking to
+the run's engine through the gateway; its calls become the episode's steps.
+
+For each episode the gateway opens a bearer token, the program gets it as OPENAI_API_KEY with
+OPENAI_BASE_URL, AGENTR1_EPISODE_ID and AGENTR1_CORPUS (the dataset's corpus Parquet, when there is
+one), and the prompt on stdin as JSON: {"prompt_id", "messages", "env_kwargs", "metadata"} (never
+the gold answers). `run_programs` (agent_core/envs/agent_program.py) runs them, bounded and time
+limited; as each program ends its episode is finished (its token stops working) and its calls turn
+into steps (agent_core/gateway/steps.py). A program that fails is a failed episode, never a failed
+rollout; one that failed before its first call still gets one step (`_first_actions`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from agent_core.envs.agent_program import ProgramJob, ProgramOutcome, ProgramSpec, run_programs
+from agent_core.envs.tool_env import ChatCapabilities
+from agent_core.gateway.core import EpisodeCalls
+from agent_core.gateway.server import Gateway, GatewayLimits
+from agent_core.gateway.steps import EpisodeEnd, EpisodeIdentity, steps_from_calls
+from agent_core.progress import report
+from agent_core.rollout.agent_loop import opening_anchor
+from agent_core.rollout.chat import encode_conversation
+from agent_core.rollout.engine import Engine, SamplingParams
+from agent_core.rollout.records import StepRecord, json_text
+from agent_core.types import Prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProgramRollout:
+    """One rollout's settings: the loop's budgets (max_calls = rollout.max_steps), ids, where the corpus is."""
+
+    group_size: int
+    max_calls: int
+    max_context_tokens: int
+    policy_version: int
+    episode_prefix: str = ""
+    corpus_path: str | None = None
+    honor_request_sampling: bool = False
+
+
+def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], spec: ProgramSpec,
+                         sampling: SamplingParams, settings: ProgramRollout,
+                         chat: ChatCapabilities | None = None) -> list[StepRecord]:
+    """`group_size` episodes per prompt, each a run of the program (module docstring); their steps
+    in episode order (prompt by prompt, sample by sample), like the agent loop's."""
+    identities = [EpisodeIdentity(f"{settings.episode_prefix}{p.prompt_id}-s{k}", f"{settings.episode_prefix}{p.prompt_id}",
+                                  p.prompt_id, k, settings.policy_version)
+                  for p in prompts for k in range(settings.group_size)]
+    prompt_of = {identity.episode_id: p for identity, p in zip(identities, _repeat(prompts, settings.group_size))}
+    limits = GatewayLimits(settings.max_calls, settings.max_context_tokens, settings.honor_request_sampling)
+    steps: dict[str, list[StepRecord]] = {}
+    failed_early: list[tuple[EpisodeIdentity, EpisodeEnd]] = []
+    started = time.perf_counter()
+    with Gateway(engine, tokenizer, sampling, limits, chat) as gateway:
+        tokens = {identity.episode_id: gateway.open_episode(identity.episode_id) for identity in identities}
+        by_id = {identity.episode_id: identity for identity in identities}
+        lock = threading.Lock()
+
+        def on_done(outcome: ProgramOutcome) -> None:
+            calls = gateway.finish_episode(tokens[outcome.key])  # its token stops working now
+            end = _end_of(outcome)
+            records = steps_from_calls(by_id[outcome.key], calls, end, tokenizer)
+            with lock:
+                steps[outcome.key] = records
+                if not records:
+                    failed_early.append((by_id[outcome.key], _no_call_end(end, calls)))
+            report(1, total=len(identities))
+
+        jobs = [ProgramJob(identity.episode_id, _stdin(prompt_of[identity.episode_id]),
+                           _environment(gateway.base_url, tokens[identity.episode_id], identity.episode_id,
+                                        settings.corpus_path))
+                for identity in identities]
+        outcomes = run_programs(spec, jobs, on_done)
+    failures = [o for o in outcomes if o.failure is not None]
+    if failures:
+        log.warning("agent_program: %d of %d programs failed; first: %s: %s", len(failures), len(outcomes),
+                    failures[0].key, failures[0].failure)
+    for identity, records in _first_actions(engine, tokenizer, failed_early, prompt_of, sampling, settings, chat):
+        steps[identity.episode_id] = records
+    log.info("agent_program rollout: %d episodes, %d steps in %.1fs", len(identities),
+             sum(len(r) for r in steps.values()), time.perf_counter() - started)
+    return [record for identity in identities for record in steps[identity.episode_id]]
+
+
+def _repeat(prompts: Sequence[Prompt], times: int) -> list[Prompt]:
+    return [p for p in prompts for _ in range(times)]
+
+
+def _stdin(prompt: Prompt) -> dict[str, Any]:
+    """What the program reads on stdin: the prompt, never its answers."""
+    return {"prompt_id": prompt.prompt_id, "messages": [m.as_dict() for m in prompt.messages],
+            "env_kwargs": dict(prompt.env_kwargs), "metadata": dict(prompt.metadata)}
+
+
+def _environment(base_url: str, token: str, episode_id: str, corpus_path: str | None) -> dict[str, str]:
+    env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": token, "AGENTR1_EPISODE_ID": episode_id}
+    if corpus_path:
+        env["AGENTR1_CORPUS"] = corpus_path
+    return env
+
+
+def _end_of(outcome: ProgramOutcome) -> EpisodeEnd:
+    info: dict[str, Any] = {"program_seconds": round(outcome.seconds, 3), "program_returncode": outcome.returncode}
+    if outcome.failure is not None and outcome.stderr_tail:
+        info["program_stderr_tail"] = outcome.stderr_tail[-1000:]
+    return EpisodeEnd(outcome.answer, outcome.failure, info)
+
+
+def _no_call_end(end: EpisodeEnd, calls: EpisodeCalls) -> EpisodeEnd:
+    """A program that made no call failed, whatever it printed: there is no action of the policy to credit."""
+    if end.failure is not None:
+        return end
+    if calls.budget_hit is not None:
+        return replace(end, failure=f"the gateway served no call: it refused the first request ({calls.budget_hit})")
+    return replace(end, failure="the program made no call to the gateway")
+
+
+def _first_actions(engine: Engine, tokenizer, failed: list[tuple[EpisodeIdentity, EpisodeEnd]], prompt_of,
+                   sampling: SamplingParams, settings: ProgramRollout, chat) -> list[tuple[EpisodeIdentity, list]]:
+    """One step for each episode whose program failed before any call: the policy's action on the
+    opening prompt (a real sample, so the step's log-probs are honest), ending with the failure."""
+    if not failed:
+        return []
+    failed = sorted(failed, key=lambda item: item[0].episode_id)
+    heads = [encode_conversation(tokenizer, prompt_of[identity.episode_id].messages) for identity, _ in failed]
+    budget = max(1, min(sampling.max_new_tokens, settings.max_context_tokens - max(map(len, heads))))
+    generations = engine.generate(heads, replace(sampling, max_new_tokens=budget))
+    texts = tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
+    results = []
+    for (identity, end), head, gen, text in zip(failed, heads, generations, texts):
+        info = {"gateway": True, "gateway_calls": 0, "error": end.failure, **end.info}
+        results.append((identity, [StepRecord(
+            episode_id=identity.episode_id, group_id=identity.group_id, prompt_id=identity.prompt_id,
+            sample_idx=identity.sample_idx, step_idx=0,
+            policy_version=identity.policy_version if gen.policy_version is None else gen.policy_version,
+            prompt_ids=head, response_ids=list(gen.token_ids), response_logprobs=list(gen.logprobs),
+            response_text=text, tool_calls="[]", parse_error=None, observation_text="", env_reward=0.0, done=True,
+            termination="error", truncated=False, finish_reason=gen.finish_reason, prefix_shared=False,
+            info=json_text(info), served_by=gen.served_by, retries=gen.retries, anchor=opening_anchor(head),
+            history="start",
+        )]))
+    return results

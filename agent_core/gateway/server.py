@@ -1,0 +1,159 @@
+"""The gateway's HTTP face: an OpenAI-compatible server on 127.0.0.1, run in a background thread.
+
+    with Gateway(engine, tokenizer, sampling, limits, chat) as gateway:
+        token = gateway.open_episode("ep-0")      # the agent's OPENAI_API_KEY
+        ...  # the agent calls f"{gateway.base_url}/chat/completions"
+        calls = gateway.finish_episode(token)     # the episode's calls; its token is refused from now on
+
+Endpoints: `POST /v1/chat/completions` (non-streaming; `stream: true` is refused with 400) and
+`GET /v1/models`. Every request needs `Authorization: Bearer <an open episode's token>` (else 401);
+a body over `max_body_bytes` is refused with 413 before it is parsed, whether or not it declares its
+length. No endpoint returns recorded calls: what an episode did leaves the gateway only through
+`finish_episode`, in this process. The socket is bound to 127.0.0.1 only (never 0.0.0.0), on a free
+port chosen by the OS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from agent_core.envs.tool_env import ChatCapabilities
+from agent_core.gateway.core import EpisodeCalls, GatewayCore, GatewayError, GatewayLimits
+from agent_core.gateway.openai_format import RequestError, error_body, parse_request
+from agent_core.rollout.engine import Engine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+DEFAULT_MAX_BODY_BYTES = 4_000_000
+_START_TIMEOUT_S = 30.0
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def build_app(core: GatewayCore, max_body_bytes: int) -> FastAPI:
+    """The FastAPI app over `core` (module docstring)."""
+    app = FastAPI(title="agentr1 gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def refuse(status: int, message: str, code: str) -> JSONResponse:
+        kind = {401: "authentication_error", 413: "invalid_request_error"}.get(status, "invalid_request_error")
+        return JSONResponse(error_body(message, kind, code), status_code=status)
+
+    def token_of(request: Request) -> str | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip()
+        return token if scheme.lower() == "bearer" and token and core.is_open(token) else None
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        if token_of(request) is None:
+            return refuse(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
+        return JSONResponse({"object": "list", "data": [
+            {"id": core.model_name, "object": "model", "created": 0, "owned_by": "agentr1"}]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        token = token_of(request)
+        if token is None:
+            return refuse(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
+        try:
+            raw = await _read_body(request, max_body_bytes)
+        except _BodyTooLarge:
+            return refuse(413, f"request body over the gateway's limit of {max_body_bytes} bytes", "request_too_large")
+        try:
+            chat_request = parse_request(json.loads(raw))
+        except (ValueError, RecursionError) as error:  # RequestError is a ValueError; so is bad JSON
+            message = str(error) if isinstance(error, RequestError) else f"the body is not valid JSON: {error}"
+            return refuse(400, message.splitlines()[0] if message else "bad request", "invalid_request")
+        try:
+            body = await run_in_threadpool(core.complete, token, chat_request)
+        except GatewayError as error:
+            return refuse(error.status, str(error), error.code)
+        return JSONResponse(body)
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused past `limit` bytes: by its declared length at once, else as it streams in."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _BodyTooLarge()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class Gateway:
+    """The gateway server over `engine` for the length of a `with` block (module docstring)."""
+
+    def __init__(self, engine: Engine, tokenizer, sampling: SamplingParams, limits: GatewayLimits,
+                 chat: ChatCapabilities | None = None, *, model_name: str = "policy",
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.core = GatewayCore(engine, tokenizer, sampling, limits, chat or ChatCapabilities(), model_name)
+        self.max_body_bytes = max_body_bytes
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    @property
+    def base_url(self) -> str:
+        """What an OpenAI client takes as base_url (OPENAI_BASE_URL)."""
+        if self.port is None:
+            raise RuntimeError("the gateway is not running; use it as a context manager")
+        return f"http://{HOST}:{self.port}/v1"
+
+    def open_episode(self, episode_id: str) -> str:
+        return self.core.open_episode(episode_id)
+
+    def finish_episode(self, token: str) -> EpisodeCalls:
+        return self.core.finish_episode(token)
+
+    def __enter__(self) -> "Gateway":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(build_app(self.core, self.max_body_bytes), log_level="warning", access_log=False,
+                                lifespan="off", timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._serve, args=(sock,), name="agentr1-gateway", daemon=True)
+        self._thread.start()
+        self._wait_started()
+        log.info("gateway listening on %s", self.base_url)
+        return self
+
+    def _serve(self, sock: socket.socket) -> None:
+        asyncio.run(self._server.serve(sockets=[sock]))
+
+    def _wait_started(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"the gateway did not start on {HOST}:{self.port} within {_START_TIMEOUT_S:g} s")
+
+    def __exit__(self, *exc_info) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(_START_TIMEOUT_S)
+        self.port = None

@@ -1,0 +1,109 @@
+"""An episode's gateway calls as its steps: the agent loop's `StepRecord`s, one per call, in order.
+
+Step k is call k. Its `history` says how its prompt relates to step k-1's (schemas/steps.py):
+"appended" when it starts with step k-1's prompt + response (the ids in between are the
+observation; an episode of such steps packs into one training sequence), "rewritten" when the
+agent changed its history (the trainer's `auto` layout then trains the episode as step rows).
+`prefix_shared` on step k-1 says the same from the other side, as in the agent loop.
+
+How the episode ended goes on its last step, as for any env:
+- the program answered: termination "answered" with the answer in info["answer"], where the
+  reward scorer reads it (agent_core/rewards/labelling.py), unless a budget refused a request;
+- a budget refused a request (calls past max_steps, a prompt past the context): that truncation;
+- the program failed (crashed, hung, printed no answer): termination "error" with the reason in
+  info["error"].
+A program that failed before making any call has no step of its own; the caller records one with
+`failed_before_any_call` (a real action of the policy on the opening prompt, so the episode is
+counted and its failure shows), instead of dropping the episode.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from agent_core.gateway.core import EpisodeCalls, GatewayCall
+from agent_core.rollout.agent_loop import TRUNCATIONS, opening_anchor
+from agent_core.rollout.context import extends
+from agent_core.rollout.records import StepRecord, json_text
+
+HISTORY_START, HISTORY_APPENDED, HISTORY_REWRITTEN = "start", "appended", "rewritten"
+
+
+@dataclass(frozen=True)
+class EpisodeIdentity:
+    """Where an episode belongs: the ids the agent loop would give it."""
+
+    episode_id: str
+    group_id: str
+    prompt_id: str
+    sample_idx: int
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class EpisodeEnd:
+    """How the agent's program ended: its answer, or why it failed (one line), plus what to keep in info."""
+
+    answer: str | None
+    failure: str | None
+    info: dict[str, Any]
+
+
+def history_of(prompt_ids: list[int], previous: GatewayCall | StepRecord | None) -> str:
+    """How a step's prompt relates to the previous step's (module docstring)."""
+    if previous is None:
+        return HISTORY_START
+    appended = extends(prompt_ids, [*previous.prompt_ids, *previous.response_ids])
+    return HISTORY_APPENDED if appended else HISTORY_REWRITTEN
+
+
+def termination_of(calls: EpisodeCalls, end: EpisodeEnd) -> tuple[str, dict[str, Any]]:
+    """(termination, what the last step's info gets) for an episode that made calls."""
+    if end.failure is not None:
+        return "error", {"error": end.failure}
+    if calls.budget_hit is not None:
+        return calls.budget_hit, {"program_answer": end.answer}  # cut off: the answer is not scored
+    return "answered", {"answer": end.answer if end.answer is not None else ""}
+
+
+def steps_from_calls(identity: EpisodeIdentity, calls: EpisodeCalls, end: EpisodeEnd,
+                     tokenizer=None) -> list[StepRecord]:
+    """The episode's steps (module docstring); [] when it made no call. `tokenizer`: to decode each
+    observation into observation_text (else left empty)."""
+    records: list[StepRecord] = []
+    last_idx = len(calls.calls) - 1
+    for k, call in enumerate(calls.calls):
+        done = k == last_idx
+        following = None if done else calls.calls[k + 1]
+        shared = following is not None and history_of(following.prompt_ids, call) == HISTORY_APPENDED
+        termination, end_info = termination_of(calls, end) if done else (None, {})
+        observation = ""
+        if shared:  # the ids the agent's new messages added, as text
+            observation = _decode_observation(tokenizer, following, call)
+        info = {"gateway": True, "seed": call.seed, "generate_seconds": call.generate_seconds,
+                "batch_size": call.batch_size,
+                **({"requested": json.loads(call.requested)} if call.requested != "{}" else {}),
+                **(end.info if done else {}), **end_info}
+        records.append(StepRecord(
+            episode_id=identity.episode_id, group_id=identity.group_id, prompt_id=identity.prompt_id,
+            sample_idx=identity.sample_idx, step_idx=k,
+            policy_version=identity.policy_version if call.policy_version is None else call.policy_version,
+            prompt_ids=list(call.prompt_ids), response_ids=list(call.response_ids),
+            response_logprobs=list(call.response_logprobs), response_text=call.response_text,
+            tool_calls=call.tool_calls, parse_error=call.parse_error, observation_text=observation,
+            env_reward=0.0, done=done, termination=termination, truncated=termination in TRUNCATIONS,
+            finish_reason=call.finish_reason, prefix_shared=shared, info=json_text(info),
+            served_by=call.served_by, retries=call.retries, generated_at=call.generated_at,
+            anchor=opening_anchor(call.prompt_ids) if k == 0 else None,
+            history=history_of(call.prompt_ids, None if k == 0 else calls.calls[k - 1]),
+        ))
+    return records
+
+
+def _decode_observation(tokenizer, following: GatewayCall, call: GatewayCall) -> str:
+    if tokenizer is None:
+        return ""
+    start = len(call.prompt_ids) + len(call.response_ids)
+    return tokenizer.decode(following.prompt_ids[start:], skip_special_tokens=True)

@@ -1,0 +1,114 @@
+"""A run's rollout as the agent loop and the engine take it: ONE place that turns the config's
+`rollout` section into `LoopSettings` and `SamplingParams`.
+
+Training's rollout driver (tasks/_common.py `roll_out`), the evaluation methods and the dev eval
+all build their loop from a `RolloutSpec`, so a run trained with `context_mode: last_k`, an
+observation cut or small budgets is evaluated with exactly those (before, eval built its own
+settings and always ran with the full context). Eval changes only what evaluating means:
+`for_eval` gives one episode per prompt and greedy (temperature 0) or its own temperature.
+
+`env_for` is the other half of "as training": which env (and kwargs) a prompt runs in under the
+config. `local_roll_out` runs a rollout in this process without the task layer (a library caller,
+tests); the pipeline's stages use tasks/_common.py `roll_out`, which also knows the envs that need
+the task layer (agent_program).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from agent_core.config import RolloutConfig
+from agent_core.envs.registry import ENVS, EnvResources, env_kwarg_names, make_env
+from agent_core.envs.search import shared_index
+from agent_core.envs.tool_env import ChatCapabilities
+from agent_core.rollout.agent_loop import LoopSettings, RolloutTimings, run_episodes
+from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
+from agent_core.rollout.context import ContextPolicy
+from agent_core.rollout.engine import Engine, SamplingParams
+from agent_core.rollout.records import StepRecord
+from agent_core.types import Document, Prompt
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What one rollout samples and how its loop runs (plain values: a stage manifest or an MLflow
+    param can hold it). Built by `from_config`; the defaults are RolloutConfig's."""
+
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_steps: int = 4
+    max_context_tokens: int = 1024
+    group_size: int = 4
+    context: ContextPolicy = ContextPolicy()
+    env_workers: int = 8
+    straggler_wait_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "max_steps", "max_context_tokens", "group_size", "env_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"RolloutSpec needs temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig) -> "RolloutSpec":
+        return cls(
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, max_steps=cfg.max_steps,
+            max_context_tokens=cfg.max_context_tokens, group_size=cfg.group_size,
+            context=ContextPolicy(cfg.context_mode, cfg.keep_last_turns, cfg.max_observation_tokens),
+            env_workers=cfg.env_workers, straggler_wait_s=cfg.straggler_wait_s,
+        )
+
+    def for_eval(self, *, greedy: bool, temperature: float | None = None) -> "RolloutSpec":
+        """As training, but one episode per prompt, sampled greedily (temperature 0) or at `temperature`
+        (default: training's). Everything else (budgets, context policy, top_p) stays training's."""
+        chosen = 0.0 if greedy else (self.temperature if temperature is None else temperature)
+        if not greedy and chosen <= 0:
+            raise ValueError(f"sampled evaluation needs temperature > 0, got {chosen} (or evaluate greedily)")
+        return replace(self, temperature=chosen, group_size=1)
+
+    def sampling(self, seed: int, stop_token_ids: Sequence[int] = ()) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              seed=seed, stop_token_ids=tuple(stop_token_ids))
+
+    def loop(self, policy_version: int, episode_prefix: str = "", group_size: int | None = None) -> LoopSettings:
+        return LoopSettings(
+            group_size=group_size or self.group_size, max_steps=self.max_steps,
+            max_context_tokens=self.max_context_tokens, policy_version=policy_version,
+            episode_prefix=episode_prefix, context=self.context, env_workers=self.env_workers,
+            straggler_wait_s=self.straggler_wait_s,
+        )
+
+
+def env_for(prompt: Prompt, cfg: RolloutConfig) -> tuple[str, dict[str, Any]]:
+    """The config's env replaces the prompt's (and its kwargs); config kwargs refine the prompt's own env.
+    An env that takes `instructions` gets `cfg.instructions` unless the kwargs say otherwise."""
+    if cfg.env is not None and cfg.env != prompt.env_name:
+        name, kwargs = cfg.env, dict(cfg.env_kwargs)
+    else:
+        name, kwargs = prompt.env_name, {**prompt.env_kwargs, **cfg.env_kwargs}
+    if "instructions" not in kwargs and name in ENVS.names() and "instructions" in env_kwarg_names(name):
+        kwargs["instructions"] = cfg.instructions
+    return name, kwargs
+
+
+def env_resources(tokenizer, documents: Sequence[Document]) -> EnvResources:
+    """The rollout's shared env resources: the corpus's search index (built once per corpus) and
+    what the policy's chat template can render."""
+    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
+    return EnvResources(search_index=shared_index(list(documents)), chat=chat)
+
+
+def local_roll_out(engine: Engine, tokenizer, prompts: Sequence[Prompt], documents: Sequence[Document],
+                   cfg: RolloutConfig, *, seed: int, policy_version: int = 0, episode_prefix: str = "",
+                   spec: RolloutSpec | None = None, group_size: int | None = None,
+                   timings: RolloutTimings | None = None) -> list[StepRecord]:
+    """Episodes of `prompts` in the config's envs, in this process (the in-process envs only), with
+    `spec`'s loop and sampling (default the config's): tasks/_common.py `roll_out` without the task layer."""
+    spec = RolloutSpec.from_config(cfg) if spec is None else spec
+    resources = env_resources(tokenizer, documents)
+    return run_episodes(engine, tokenizer, prompts, lambda p: make_env(*env_for(p, cfg), resources),
+                        spec.sampling(seed, eos_token_ids(tokenizer)),
+                        spec.loop(policy_version, episode_prefix, group_size), timings)

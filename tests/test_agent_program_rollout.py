@@ -1,0 +1,170 @@
+"""Env `agent_program` through the rollout driver (tasks/_common.py roll_out): programs run against
+the gateway over the tiny policy's hf engine, their calls become a valid steps table holding exactly
+what the engine produced, the program's answer reaches the scorer, and a program that crashes,
+hangs or prints no answer is a failed episode with its reason, never a failed rollout."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent_core.config import RolloutConfig
+from agent_core.data.rows import document_to_row
+from agent_core.io.tables import read_table, rows_of, write_table
+from agent_core.rewards.labelling import StepOutcome, label_steps
+from agent_core.rollout.chat import eos_token_ids
+from agent_core.rollout.engine import SamplingParams
+from agent_core.rollout.hf_engine import HFEngine
+from agent_core.training.model import build_tiny_policy, build_tokenizer
+from agent_core.types import ChatMessage, Document, Prompt
+from agent_core.validation import load_config
+from tasks._common import roll_out
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+AGENT = REPO_ROOT / "examples" / "openai_agent" / "agent.py"
+DOCUMENTS = [Document("d0", "Harbor", "The Silent Harbor was directed by Ana Kowalski."),
+             Document("d1", "Ana", "Ana Kowalski was born in Gdansk.")]
+TEXTS = ["Who directed The Silent Harbor? Ana Kowalski was born in Gdansk.",
+         '<tool_call>\n{"name": "search", "arguments": {"query": "Harbor"}}\n</tool_call>'] * 20
+
+# A program that asks once through plain HTTP (no client library: it starts fast) and answers;
+# its behaviour after the call is chosen by argv[1].
+ONE_CALL = textwrap.dedent("""
+    import json, os, sys, time, urllib.request
+    prompt = json.load(sys.stdin)
+    request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": "policy", "messages": prompt["messages"]}).encode(),
+        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+    reply = json.load(urllib.request.urlopen(request))
+    mode = sys.argv[1]
+    if mode == "answer":
+        print(json.dumps({"answer": "Ana Kowalski"}))
+    elif mode == "garbage":
+        print("I think it is Ana")
+    elif mode == "crash":
+        sys.exit("the agent fell over")
+    elif mode == "hang":
+        time.sleep(60)
+""")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(TEXTS, vocab_size=320)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    policy = build_tiny_policy(tokenizer, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    return HFEngine(policy, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return write_table("corpus", [document_to_row(d) for d in DOCUMENTS],
+                       tmp_path_factory.mktemp("corpus") / "corpus.parquet")
+
+
+def _prompts(count: int = 2) -> list[Prompt]:
+    return [Prompt(f"q{k}", "test", "train", (ChatMessage("user", "Who directed The Silent Harbor?"),),
+                   ("Ana Kowalski",), "search_qa") for k in range(count)]
+
+
+def _cfg(command: list[str], max_context_tokens: int = 512, **kwargs) -> RolloutConfig:
+    return RolloutConfig(env="agent_program", env_kwargs={"command": command, **kwargs}, group_size=2, max_steps=3,
+                         max_new_tokens=8, max_context_tokens=max_context_tokens)
+
+
+def _roll(engine, tokenizer, cfg, corpus=None, prompts=None):
+    return roll_out(engine, tokenizer, prompts or _prompts(), DOCUMENTS, cfg, seed=5, policy_version=0,
+                    episode_prefix="r-i0-", corpus_path=corpus)
+
+
+def _table(records, tmp_path):
+    return read_table("steps", write_table("steps", rows_of(records, run_id="r", iteration=0), tmp_path / "steps.parquet"))
+
+
+def test_the_example_agent_through_the_real_client_records_what_the_engine_produced(engine, tokenizer, corpus, tmp_path):
+    pytest.importorskip("openai")
+    # the tool list in the system message is ~1,000 tokens with the tiny policy's 320-token vocabulary
+    cfg = _cfg([sys.executable, str(AGENT), "--max-tokens", "8"], max_context_tokens=2048, timeout_s=60.0)
+    records = _roll(engine, tokenizer, cfg, corpus)
+    steps = _table(records, tmp_path)  # validated by the steps schema
+    assert sorted(set(steps.column("episode_id").to_pylist())) == [f"r-i0-q{p}-s{s}" for p in range(2) for s in range(2)]
+    sampling = SamplingParams(max_new_tokens=8, seed=0, stop_token_ids=eos_token_ids(tokenizer))
+    for record in records:
+        info = json.loads(record.info)
+        assert info.get("gateway_calls") != 0, info  # every program made its calls (none failed)
+        (own,) = engine.generate([record.prompt_ids], replace(sampling, seed=info["seed"]))
+        assert record.response_ids == own.token_ids
+        assert record.response_logprobs == pytest.approx(own.logprobs, abs=1e-5)
+    ends = [r for r in records if r.done]
+    assert len(ends) == 4 and all(r.termination in ("answered", "max_steps") for r in ends)
+    assert all(r.history == ("start" if r.step_idx == 0 else "appended") for r in records)
+
+
+def test_the_programs_answer_reaches_the_scorer(engine, tokenizer):
+    records = _roll(engine, tokenizer, _cfg([sys.executable, "-c", ONE_CALL, "answer"]))
+    outcomes = [StepOutcome(r.episode_id, r.group_id, r.prompt_id, r.sample_idx, r.step_idx, r.env_reward, r.done,
+                            r.termination, r.info) for r in records]
+    rewards = label_steps(outcomes, {"q0": ["Ana Kowalski"], "q1": ["Ana Kowalski"]}, scorer="qa_em", format_weight=0.0)
+    assert [r.em for r in rewards] == [1.0] * 4
+    assert all(r.history == "start" and r.termination == "answered" for r in records)
+
+
+@pytest.mark.parametrize("mode, reason", [("crash", "exit code 1: the agent fell over"),
+                                          ("garbage", "no JSON answer on the last stdout line"),
+                                          ("hang", "timed out after 2 s")])
+def test_a_failing_program_is_a_failed_episode_with_its_reason(engine, tokenizer, tmp_path, mode, reason):
+    cfg = _cfg([sys.executable, "-c", ONE_CALL, mode], timeout_s=2.0)
+    records = _roll(engine, tokenizer, cfg, prompts=_prompts(1))
+    steps = _table(records, tmp_path)
+    assert steps.column("termination").to_pylist() == ["error", "error"]
+    for info in map(json.loads, steps.column("info").to_pylist()):
+        assert reason in info["error"], info
+        assert info["seed"] is not None  # the step is the call the program made before it failed
+
+
+def test_a_program_that_fails_before_any_call_still_leaves_one_failed_step(engine, tokenizer, tmp_path):
+    cfg = _cfg([sys.executable, "-c", "import sys; sys.exit(3)"])
+    steps = _table(_roll(engine, tokenizer, cfg, prompts=_prompts(1)), tmp_path)
+    assert steps.num_rows == 2 and steps.column("termination").to_pylist() == ["error", "error"]
+    info = json.loads(steps.column("info")[0].as_py())
+    assert info["gateway_calls"] == 0 and info["error"].startswith("exit code 3")
+
+
+def test_the_config_accepts_agent_program_and_checks_its_kwargs():
+    base = REPO_ROOT / "configs" / "tiny.yaml"
+    ok = load_config(base, ["rollout.env=agent_program", 'rollout.env_kwargs={"command": ["python", "agent.py"]}'])
+    assert ok.rollout.env == "agent_program"
+    with pytest.raises(Exception, match="command"):
+        load_config(base, ["rollout.env=agent_program", 'rollout.env_kwargs={"command": "python agent.py"}'])
+
+
+@pytest.mark.slow
+def test_one_rl_iteration_of_the_pipeline_trains_on_the_example_agents_episodes(tmp_path):
+    """`agentr1 train --config tiny --set rollout.env=agent_program ...` in one iteration: rollout
+    through the gateway, labelling, advantages and an update, every table written and valid."""
+    from agent_core.io.layout import DataRoot
+    from flows.train import train
+
+    command = json.dumps(["python", str(AGENT), "--max-tokens", "12"])
+    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", [
+        f"data_root={tmp_path}", "run_id=gw", "iterations=1", "dev_eval.every=0", "rollout.env=agent_program",
+        f'rollout.env_kwargs={{"command": {command}, "timeout_s": 120}}', "rollout.max_context_tokens=2048"])
+    result = train(config)
+    run = DataRoot(tmp_path).run("gw")
+    steps = read_table("steps", run.table_uri(0, "steps"))
+    infos = [json.loads(text) for text in steps.column("info").to_pylist()]
+    assert all(info["gateway"] for info in infos)
+    assert steps.num_rows >= config.data.prompts_per_iteration * config.rollout.group_size
+    assert not any("error" in info for info in infos), [i.get("error") for i in infos]
+    metrics = read_table("train_metrics", run.table_uri(0, "train_metrics"))
+    assert metrics.num_rows >= 1 and (run.checkpoint_dir(0) / "model.safetensors").is_file()
+    assert [s.iteration for s in result.iterations] == [0]
