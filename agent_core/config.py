@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
+from agent_core.audit_config import AuditConfig
 from agent_core.config_errors import ConfigError, Problem, config_error, validation_problems
+from agent_core.cost_config import CostConfig
 from agent_core.plugins import PluginError, load_plugins
 
 __all__ = ["ConfigError"]  # re-exported: callers catch it from here
@@ -410,6 +412,10 @@ class PipelineConfig(_Section):
     dev_eval: DevEvalConfig = DevEvalConfig()
     tracking: TrackingConfig = TrackingConfig()
     cluster: ClusterConfig = ClusterConfig()
+    audit: AuditConfig = Field(AuditConfig(), description="behaviour health checks after each iteration "
+                               "(agent_core/audit_config.py)")
+    cost: CostConfig = Field(CostConfig(), description="prices per device-hour for the costs view "
+                             "(agent_core/cost_config.py)")
 
     @model_validator(mode="before")
     @classmethod

@@ -30,6 +30,7 @@ from agent_core.envs.formats import FORMATS
 from agent_core.envs.registry import ENVS, check_env_spec, check_tool_entries
 from agent_core.io.checkpoints import CheckpointError, check_checkpoint, policy_source_dir
 from agent_core.io.config_files import config_source, read_config
+from agent_core.audit.validate import audit_problems
 from agent_core.io.query import QueryError, check_episode_selection
 from agent_core.registry import Registry, UnknownNameError
 from agent_core.rewards.scorers import SCORERS
@@ -67,6 +68,7 @@ def check_names(config: PipelineConfig, source: str = "config", overrides: Seque
         *_unknown("trainer.policy_loss", POLICY_LOSSES, config.trainer.policy_loss),
         *oracle_config_problems(config),  # the warm start's oracle fits the data and the env's tools
         *_select_sql_problems(config.warm_start.select_sql),
+        *audit_problems(config.audit),
     ]
     if problems:
         raise config_error(problems, source, overrides)

@@ -13,6 +13,11 @@ in the library is changed; this process wraps, for the duration of the run:
   from the start of its prepare_data to the end of its log_iteration, and each stage's seconds
   (Prefect task overhead included) say where the rest goes.
 
+Two of those stages are also reported as their own share of the iteration's wall time: the cost
+ledger (`record_ledger`, tasks/ledger.py) and the behaviour audit (`audit_iteration`,
+tasks/audit.py; goal <= 0.05, issue 33). Either, missing from flows.train, is reported as skipped.
+An iteration ends where its last stage ends (the audit runs after log_iteration).
+
 overhead share = 1 - (generate + train compute) / iteration wall time, over iterations 1..N-1
 (iteration 0 also pays first-call costs: Prefect task registration, MLflow model registry,
 imports); iteration 0's share is in the details. Goal <= 0.10. The share depends on the model
@@ -32,13 +37,16 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from unittest import mock
 
-from bench.common import Goal, Measurement, Progress, base_parser, parse_args, write_result
+from bench.common import Goal, Measurement, Progress, base_parser, parse_args, skipped_measurement, write_result
 
 NAME = "overhead"
 TITLE = "Pipeline overhead per iteration"
 GOAL = Goal("share of iteration wall time outside generation and forward/backward/step", "<=", 0.10)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("prepare_data", "rollout", "label_rewards", "compute_advantages", "train_policy", "log_iteration")
+# Stages measured as their own share when flows.train has them: (measurement key, task name in flows.train, goal).
+PARTS = (("ledger", "record_ledger", None),
+         ("audit", "audit_iteration", Goal("share of iteration wall time in the behaviour audit", "<=", 0.05)))
 QUICK = dict(config="configs/tiny.yaml", iterations=2, prompts=3, group_size=2, max_steps=3, max_new_tokens=12)
 
 
@@ -75,10 +83,21 @@ class Timeline:
         return sum(max(0.0, min(e, end) - max(s, start)) for name, _, s, e in self.intervals if name == kind)
 
     def stage(self, name: str, k: int) -> tuple[float, float]:
-        found = [(s, e) for kind, it, s, e in self.intervals if kind == f"stage:{name}" and it == k]
-        if not found:
+        found = self.stage_or_none(name, k)
+        if found is None:
             raise RuntimeError(f"no {name} stage recorded for iteration {k}: did flows/train.py change?")
-        return found[0]
+        return found
+
+    def stage_or_none(self, name: str, k: int) -> tuple[float, float] | None:
+        found = [(s, e) for kind, it, s, e in self.intervals if kind == f"stage:{name}" and it == k]
+        return found[0] if found else None
+
+
+def measured_stages() -> tuple[str, ...]:
+    """STAGES plus the PARTS' tasks that flows.train calls (an absent one is reported as skipped)."""
+    import flows.train as train_flow
+
+    return STAGES + tuple(task for _, task, _ in PARTS if hasattr(train_flow, task))
 
 
 @contextmanager
@@ -92,7 +111,7 @@ def instrumented(timeline: Timeline):
         stack.enter_context(mock.patch.object(HFEngine, "generate", timeline.wrap("generate", HFEngine.generate)))
         stack.enter_context(mock.patch.object(trainer, "_accumulate_and_step",
                                               timeline.wrap("train_compute", trainer._accumulate_and_step)))
-        for name in STAGES:  # every stage task takes (run, iteration, ...)
+        for name in measured_stages():  # every stage task takes (run, iteration, ...)
             stack.enter_context(mock.patch.object(train_flow, name, timeline.wrap(f"stage:{name}",
                                                                                   getattr(train_flow, name), 1)))
         yield
@@ -100,14 +119,18 @@ def instrumented(timeline: Timeline):
 
 def iteration_breakdown(timeline: Timeline, k: int) -> dict:
     start, _ = timeline.stage("prepare_data", k)
-    _, end = timeline.stage("log_iteration", k)
+    spans = {name: span for name in measured_stages() if (span := timeline.stage_or_none(name, k)) is not None}
+    missing = [name for name in STAGES if name not in spans]
+    if missing:
+        timeline.stage(missing[0], k)  # raises, naming it
+    end = max(e for _, e in spans.values())
     wall = end - start
     generate, compute = timeline.within("generate", start, end), timeline.within("train_compute", start, end)
-    stages = {name: (lambda se: se[1] - se[0])(timeline.stage(name, k)) for name in STAGES}
+    stages = {name: e - s for name, (s, e) in spans.items()}
     parts = {  # where the overhead goes
         "rollout_outside_generate": stages["rollout"] - generate,
         "train_outside_compute": stages["train_policy"] - compute,
-        **{name: stages[name] for name in STAGES if name not in ("rollout", "train_policy")},
+        **{name: seconds for name, seconds in stages.items() if name not in ("rollout", "train_policy")},
         "between_stages": wall - sum(stages.values()),
     }
     return {"iteration": k, "wall": wall, "generate": generate, "train_compute": compute,
@@ -119,6 +142,27 @@ def _rounded(value):
     if isinstance(value, dict):
         return {k: _rounded(v) for k, v in value.items()}
     return round(value, 4) if isinstance(value, float) else value
+
+
+def part_measurements(iterations: list[dict]) -> list[Measurement]:
+    """The ledger's and the audit's share of the measured iterations' wall time (PARTS)."""
+    measured = iterations[1:] or iterations
+    wall = sum(it["wall"] for it in measured)
+    found = []
+    for key, task, goal in PARTS:
+        if not all(task in it["stages"] for it in measured):
+            found.append(skipped_measurement(key, goal, f"flows.train does not call {task}"))
+            continue
+        seconds = sum(it["stages"][task] for it in measured)
+        share = seconds / wall
+        details = {"seconds": round(seconds, 4), "wall_seconds": round(wall, 4),
+                   "per_iteration_seconds": [round(it["stages"][task], 4) for it in measured],
+                   "first_iteration_seconds": round(iterations[0]["stages"].get(task, float("nan")), 4)}
+        why = "" if goal is None or goal.met(share) else (
+            f"{task} took {seconds:.2f}s of {wall:.2f}s over the measured iterations; the per-iteration seconds are "
+            "in the details (SQL over the run's tables, Parquet writes, MLflow logging).")
+        found.append(Measurement(key, share, goal, details, why_missed=why))
+    return found
 
 
 def measurement(iterations: list[dict], setup_seconds: float) -> Measurement:
@@ -202,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(data_root, ignore_errors=True)
     config = {k: v for k, v in vars(args).items() if k not in ("results_dir", "keep_data")}
-    write_result(NAME, TITLE, [measurement(iterations, setup_seconds)], seconds=progress.elapsed, config=config,
+    write_result(NAME, TITLE, [measurement(iterations, setup_seconds), *part_measurements(iterations)],
+                 seconds=progress.elapsed, config=config,
                  results_dir=args.results_dir, argv=argv, data_root=data_root,
                  notes="Measured iterations: 1..N-1 (iteration 0 pays first-call costs; its share is in the details).")
     return 0

@@ -7,6 +7,7 @@
     agentr1 query "SELECT ..."         SQL over every table of every run (DuckDB)
     agentr1 rerun --run-id R --iteration K --stage S [--set key=value ...]
     agentr1 runs                       list runs and their iterations
+    agentr1 audit --run-id R           behaviour health checks over a run's tables; exit 1 when one fails
     agentr1 eval --run-id R [--methods naive_rag,base_tool_call,agent] [--seeds 3] [--greedy] [--limit N]
     agentr1 experiment [--experiment configs/experiment.yaml] [--set key=value ...]
                                        the paper's Tables 3-4 at CPU scale -> docs/results.md + plots
@@ -78,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     rerun.add_argument("--stage", required=True, help="prepare_data, rollout, label_rewards, compute_advantages or train")
     rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
-    add("runs", "list runs: status (running, finished, failed, killed), iterations done, last dev EM, algorithm")
+    add("runs", "list runs: status (running, finished, failed, stopped, killed), iterations done, last dev EM, algorithm")
+    audit = add("audit", "run every health check (the run's audit: section) over a run's tables; exit 1 when one fails")
+    audit.add_argument("--run-id", required=True)
     sub.add_parser("configs", help="list the configs shipped with the package (usable as --config NAME)",
                    description="list the configs shipped with the package (usable as --config NAME)")
     _add_eval(add("eval", "evaluate methods of a run over a dataset split: EM and F1, mean ± std over seeds"))
@@ -195,6 +198,9 @@ def _print_result(result, data_root: str, seconds: float) -> None:
         print(f"  {s.iteration:>9}  {s.mean_reward:>11.3f}  {s.em:>8.3f}  {_score(s.dev_em):>6}  "
               f"{s.steps_per_episode:>13.2f}  {s.loss:>6.3f}")
     print("  (train EM: the iteration's sampled rollouts; dev EM: greedy, held-out dev prompts after the iteration)")
+    if result.stopped:
+        print(f"\nagentr1: run {result.run_id} stopped early: {result.stopped}; continue it with "
+              f"`agentr1 resume --run-id {result.run_id} --data-root {data_root}`")
 
 
 def _score(value: float) -> str:
@@ -261,6 +267,12 @@ def _runs(args: argparse.Namespace) -> int:
         line = f"{r.run_id:<{width}}  {r.status:<8}  {f'{r.iterations_done}/{planned}':>10}  {dev:>6}  {r.algorithm}"
         print(line + (f"  ({r.detail})" if r.detail else ""))
     return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from flows.audit_command import audit_command
+
+    return audit_command(args.data_root or DEFAULT_DATA_ROOT, args.run_id)
 
 
 def _configs(args: argparse.Namespace) -> int:
@@ -344,7 +356,7 @@ def _experiment(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": _train, "train": _train, "resume": _resume, "query": _query, "rerun": _rerun, "runs": _runs, "eval": _eval,
+COMMANDS = {"demo": _train, "train": _train, "resume": _resume, "query": _query, "rerun": _rerun, "runs": _runs, "audit": _audit, "eval": _eval,
             "experiment": _experiment, "configs": _configs}
 
 

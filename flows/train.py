@@ -20,10 +20,12 @@ from agent_core.io.summaries import IterationSummary, eval_scores
 from agent_core.run_resources import RunResources
 from agent_core.validation import check_names, check_runnable
 from flows.environment import quiet_progress_bars
+from tasks.audit import audit_iteration
 from tasks.compute_advantages import compute_advantages
 from tasks.evaluate import dev_eval, run_eval_settings
 from tasks.init_policy import init_critic, init_policy
 from tasks.label_rewards import label_rewards
+from tasks.ledger import record_ledger
 from tasks.prepare_data import DatasetUris, prepare_data, prepare_dataset
 from tasks.rollout import rollout
 from tasks.run_config import record_config, recording_end, writing_run
@@ -43,6 +45,7 @@ class TrainResult:
     final_checkpoint: str
     iterations: list[IterationSummary] = field(default_factory=list)
     start_dev_em: float = float("nan")  # held-out EM of the policy RL started from (nan: not evaluated)
+    stopped: str | None = None  # why the audit ended the run early (audit.on_alert: stop); None: it ran to the end
 
 
 def _evaluates_after(iteration: int, config: PipelineConfig) -> bool:
@@ -87,16 +90,21 @@ def train(config: PipelineConfig) -> TrainResult:
     # The run's device, engines, cluster, writer thread, resident policy and search indexes: placed
     # on entry, freed on exit in one visible order (agent_core/run_resources.py).
     with RunResources(config) as resources:
-        with writing_run(DataRoot(Path(config.data_root)).run(config.run_id)) as run, recording_end(run):
-            return _train(run, config, resources)
+        with writing_run(DataRoot(Path(config.data_root)).run(config.run_id)) as run, recording_end(run) as end:
+            result = _train(run, config, resources)
+            if result.stopped:  # recorded as stopped with the reason (`agentr1 runs`); `agentr1 resume` continues
+                end.stop(result.stopped)
+            return result
 
 
 def _finish_iteration(run: RunLayout, k: int, checkpoint: str, dataset: DatasetUris, config: PipelineConfig,
-                      eval_settings, tracking, reports: list) -> tuple[str, int]:
-    """After iteration k's training: evaluate if due, log it; the new policy and its version (k + 1)."""
+                      eval_settings, tracking, reports: list, audits: list) -> tuple[str, int]:
+    """After iteration k's training: evaluate if due, log it, audit it; the new policy and its version (k + 1)."""
     if _evaluates_after(k, config):
         dev_eval(run, k, checkpoint, dataset, config.dev_eval, eval_settings)
+    record_ledger(run, k, config)  # the iteration's stage seconds, priced (README "What a run cost")
     reports.append(log_iteration(run, k, tracking, checkpoint))
+    audits.append(audit_iteration(run, k, config.audit, tracking))  # behaviour health checks (agent_core/audit)
     return checkpoint, k + 1
 
 
@@ -112,17 +120,19 @@ def _train(run: RunLayout, config: PipelineConfig, resources: RunResources) -> T
     tracking = start_tracking(run, config)
     total_steps = config.iterations * config.trainer.epochs * config.trainer.mini_batches
 
-    reports = []
+    reports, audits = [], []
     overlap = config.trainer.max_staleness >= 1  # rollout k+1 runs while iteration k trains
     version, training = 0, None  # the version policy_dir holds; the training still running, if any
     for k in range(config.iterations):
+        if any(audit.stop for audit in audits):  # audit.on_alert: stop (with overlap, the training under way finishes)
+            break
         prompts = prepare_data(run, k, dataset, config.data, config.seed)
         steps = rollout(run, k, prompts, dataset.corpus_uri, policy_dir, config.rollout, config.seed,
                         policy_version=version, cluster=config.cluster, device=device)
         resources.after_rollout()  # the engine's memory goes back to the device before scoring and training
         if training is not None:  # iteration k-1 trained while this rollout ran; its critic is read next
             policy_dir, version = _finish_iteration(run, k - 1, training.result(), dataset, config, eval_settings,
-                                                    tracking, reports)
+                                                    tracking, reports, audits)
         rewards = label_rewards(run, k, steps, prompts, config.reward)
         advantages = compute_advantages(run, k, steps, rewards, config.algorithm, config.trainer,
                                         config.rollout.temperature, device=device)
@@ -134,10 +144,10 @@ def _train(run: RunLayout, config: PipelineConfig, resources: RunResources) -> T
         else:
             policy_dir, version = _finish_iteration(run, k, train_policy(*train_args, cluster=config.cluster,
                                                                          device=device, lora=config.policy.lora),
-                                                    dataset, config, eval_settings, tracking, reports)
+                                                    dataset, config, eval_settings, tracking, reports, audits)
     if training is not None:
         policy_dir, version = _finish_iteration(run, config.iterations - 1, training.result(), dataset, config,
-                                                eval_settings, tracking, reports)
+                                                eval_settings, tracking, reports, audits)
 
     report_run(run, tracking, [r.summary for r in reports], start_dev_em,
                f"{reports[-1].model_name} version {reports[-1].model_version}")
@@ -147,4 +157,5 @@ def _train(run: RunLayout, config: PipelineConfig, resources: RunResources) -> T
         mlflow_run_id=tracking.mlflow_run_id, model_name=reports[-1].model_name,
         model_version=reports[-1].model_version, final_checkpoint=policy_dir,
         iterations=[r.summary for r in reports], start_dev_em=start_dev_em,
+        stopped=next((audit.reason for audit in audits if audit.stop), None),
     )

@@ -18,7 +18,8 @@ import pandera.pyarrow as pandera_pyarrow
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas import advantages, dataset, prompts, rewards, steps, train_metrics
+from schemas import advantages, dataset, health, prompts, rewards, steps, train_metrics
+from schemas import ledger
 from schemas import eval as eval_schema  # plain `eval` would shadow the builtin here
 from schemas._base import ArrowModel, declared_row_checks, describe_rows, row_ids
 
@@ -59,6 +60,8 @@ TABLES: dict[str, TableSpec] = {
         TableSpec("train_metrics", train_metrics.ARROW_SCHEMA, train_metrics.TrainMetricsModel,
                   train_metrics.ROW_ID_COLUMNS, train_metrics.COLUMN_DEFAULTS),
         TableSpec("eval", eval_schema.ARROW_SCHEMA, eval_schema.EvalModel, eval_schema.ROW_ID_COLUMNS),
+        TableSpec("health", health.ARROW_SCHEMA, health.HealthModel, health.ROW_ID_COLUMNS),
+        TableSpec("ledger", ledger.ARROW_SCHEMA, ledger.LedgerModel, ledger.ROW_ID_COLUMNS),
     )
 }
 

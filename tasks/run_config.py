@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from agent_core.config import PipelineConfig
 from agent_core.io import background
@@ -35,15 +36,27 @@ def writing_run(run: RunLayout) -> Iterator[RunLayout]:
         background.wait()
 
 
+@dataclass
+class RunEnd:
+    """How a block that does not raise ends: finished, or stopped early with a reason (audit.on_alert: stop)."""
+
+    status: str = "finished"
+    detail: str | None = None
+
+    def stop(self, reason: str) -> None:
+        self.status, self.detail = "stopped", reason
+
+
 @contextmanager
-def recording_end(run: RunLayout) -> Iterator[None]:
+def recording_end(run: RunLayout) -> Iterator[RunEnd]:
     """Record how the block ended in the run's status: finished, or failed with its error (`agentr1
     runs` shows it); a process killed inside the block records nothing, which reads as killed. Writes
     still running on the background thread (trainer.background_save) belong to the run: they finish first.
     A finished run that the block fails on without committing a stage stays finished (io/run_status.py)."""
     committed_before = commits_made()
+    end = RunEnd()
     try:
-        yield
+        yield end
         background.wait()
     except Exception as error:
         background.wait_quietly()  # what was submitted is complete work; the block's error is the one to raise
@@ -53,7 +66,7 @@ def recording_end(run: RunLayout) -> Iterator[None]:
             stage_logger("resume").warning("run %s stays finished: this command changed none of its stages "
                                            "before it failed (%s)", run.run_id, detail)
         raise
-    record_run_end(run, "finished")
+    record_run_end(run, end.status, end.detail)
 
 
 @stage_task(name="record_config")

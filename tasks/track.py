@@ -16,6 +16,7 @@ from pathlib import Path
 
 from prefect.artifacts import create_markdown_artifact
 
+from agent_core.audit.report import health_section
 from agent_core.config import PipelineConfig
 from agent_core.io.atomic import write_text_atomic
 from agent_core.io.layout import RUN_TABLES, DataRoot, RunLayout
@@ -131,7 +132,7 @@ def report_run(run: RunLayout, ref: TrackingRef, summaries: list[IterationSummar
     to the run's report folder, logged to the MLflow run (`report/`) and published as a Prefect
     markdown artifact (shown under the flow run in the UI); returns the artifact key. Rewritten whole
     on a rerun: it is cheap and derived only from the summaries."""
-    markdown = run_table_markdown(run.run_id, summaries, start_dev_em, model=model)
+    markdown = run_table_markdown(run.run_id, summaries, start_dev_em, model=model) + health_section(run)
     plot_run_curves(summaries, run.report_dir / "curves", start_dev_em)
     write_text_atomic(run.report_dir / "report.md", markdown)
     _tracker(ref).log_artifacts(ref.mlflow_run_id, run.report_dir, "report")

@@ -197,10 +197,11 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
                "train_metrics": write_table("train_metrics", rows, run.table_uri(iteration, "train_metrics"))}
     if uses_critic:
         outputs.update(critic=run.critic_dir(iteration), critic_optimizer=run.critic_optimizer_state_path(iteration))
+    timing = {"seconds": finished_at - started_at}  # the ledger's train seconds: the span train_metrics records
     if job.background_save:  # after the optimizer states, which run_training queued
-        background.submit(f"iteration {iteration}: train manifest", lambda: record.commit(outputs))
+        background.submit(f"iteration {iteration}: train manifest", lambda: record.commit(outputs, metrics=timing))
     else:
-        record.commit(outputs)
+        record.commit(outputs, metrics=timing)
     for i, r in enumerate(results):
         if r.skipped:
             log.warning("iteration %d, update %d skipped: %s", iteration, i, r.skip_reason)

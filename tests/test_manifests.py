@@ -220,7 +220,8 @@ def test_a_rerun_skips_completed_stages_and_a_changed_config_reruns_what_it_affe
     after = _manifest_times(run)
     assert sorted(name for name in done if after[name] != done[name]) == [
         f"iteration=0/_manifests/{stage}.json"
-        for stage in ("compute_advantages", "label_rewards", "log_iteration", "rollout", "train")]
+        for stage in ("audit", "compute_advantages", "label_rewards", "log_iteration", "rollout", "train")] + [
+        "iteration=1/_manifests/audit.json"]  # the audit of iteration k reads iterations 0..k
     assert snapshot(tmp_path, "resumed") == tables and repaired.model_version == 2
     done = after
 
@@ -228,7 +229,8 @@ def test_a_rerun_skips_completed_stages_and_a_changed_config_reruns_what_it_affe
     after = _manifest_times(run)
     redone = sorted(name for name in done if after[name] != done[name])
     # iteration 0's data and rollout are upstream of training; everything after its update reruns
-    assert redone == ["iteration=0/_manifests/log_iteration.json", "iteration=0/_manifests/train.json",
+    assert redone == ["iteration=0/_manifests/audit.json", "iteration=0/_manifests/log_iteration.json",
+                      "iteration=0/_manifests/train.json", "iteration=1/_manifests/audit.json",
                       "iteration=1/_manifests/compute_advantages.json", "iteration=1/_manifests/label_rewards.json",
                       "iteration=1/_manifests/log_iteration.json", "iteration=1/_manifests/rollout.json",
                       "iteration=1/_manifests/train.json"]

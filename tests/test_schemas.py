@@ -51,6 +51,12 @@ EXPECTED_SCHEMAS = {
              ("split", S, False), ("seed", I32, False), ("prompt_id", S, False), ("prediction", S, False),
              ("em", F64, False), ("f1", F64, False), ("format_ok", B, False), ("steps", I32, False),
              ("tool_calls", I32, False), ("termination", S, True)],
+    "ledger": [("run_id", S, False), ("iteration", I32, False), ("stage", S, False), ("algorithm", S, False),
+               ("device", S, False), ("device_count", I32, False), ("wall_seconds", F64, False),
+               ("device_seconds", F64, False), ("price_per_hour", F64, True), ("currency", S, False)],
+    "health": [("run_id", S, False), ("iteration", I32, False), ("check_name", S, False), ("source", S, False),
+               ("status", S, False), ("value", F64, True), ("baseline", F64, True), ("ratio", F64, True),
+               ("rule", S, False), ("detail", S, True)],
 }
 
 

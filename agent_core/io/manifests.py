@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -146,6 +147,8 @@ class StageManifest:
     inputs: dict[str, str]  # input name -> fingerprint
     outputs: dict[str, str]  # output name -> path where it is now (stored relative: module docstring)
     output_fingerprints: dict[str, str]  # output name -> fingerprint
+    # `seconds`: the stage's wall time, from its record to its commit unless the stage gave its own
+    # (rollout, train); agent_core/io/ledger.py reads it
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. the stage's wall seconds
     version: int = MANIFEST_VERSION
     output_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # output name -> bytes (format 2)
@@ -176,6 +179,7 @@ class StageRecord:
         self.stage = stage
         self.inputs = dict(inputs)
         self.params_hash = params_hash(params)
+        self._started = time.perf_counter()  # the stage's wall `seconds` run from here to commit (the ledger's)
 
     def completed(self) -> dict[str, str] | None:
         """The recorded outputs (name -> current path) if the stage ran with these inputs and
@@ -212,7 +216,8 @@ class StageRecord:
         manifest = StageManifest(
             stage=self.stage, params_hash=self.params_hash, inputs=self._input_fingerprints(), outputs=outputs,
             output_fingerprints={name: fingerprint(path) for name, path in outputs.items()},
-            metrics={name: float(value) for name, value in (metrics or {}).items()},
+            metrics={name: float(value) for name, value in
+                     {"seconds": time.perf_counter() - self._started, **(metrics or {})}.items()},
             output_sizes={name: output_size(path) for name, path in outputs.items()},
         )
         write_manifest(manifest, self.path)

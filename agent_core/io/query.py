@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 import schemas
 from agent_core.io.atomic import atomic_file
 from agent_core.io.layout import DATASET_TABLES, RUN_TABLES
+from agent_core.io.ledger import LEDGER_TABLE, derived_views
 from agent_core.io.readonly_sql import QueryError, ReadOnlyCatalog, TableFile, check_select
 
 __all__ = ["QueryError", "RESULT_SUFFIXES", "TABLE_FOLDERS", "check_episode_selection", "check_result_path",
@@ -59,7 +60,8 @@ def _visible(path: Path, root: Path) -> bool:
 def run_table_files(data_root: Path) -> dict[str, list[Path]]:
     """Parquet files of each run table, by table name (sorted; hidden temp files left out)."""
     data_root = Path(data_root)
-    files: dict[str, list[Path]] = {name: [] for name in RUN_TABLES}
+    # `health` (the audit's table, agent_core/audit) is an empty view until a run has audited an iteration
+    files: dict[str, list[Path]] = {name: [] for name in (*RUN_TABLES, "health", LEDGER_TABLE)}
     for path in sorted(data_root.glob("runs/*/iteration=*/*.parquet")):
         if not (path.is_file() and _visible(path, data_root) and _ITERATION_DIR.match(path.parent.name)):
             continue
@@ -106,7 +108,10 @@ def open_catalog(data_root: Path, snapshot_dir: Path | None = None) -> ReadOnlyC
     tables = {**run_table_files(data_root), **dataset_table_files(data_root), **eval_table_files(data_root)}
     views = {name: _linked(files, snapshot_dir / name) if snapshot_dir else [TableFile(p, p) for p in files]
              for name, files in tables.items()}
-    return ReadOnlyCatalog(views, _schemas())
+    catalog = ReadOnlyCatalog(views, _schemas())
+    for name, select in derived_views(set(catalog.views())):  # step_costs, costs (io/ledger.py)
+        catalog.add_view(name, select)
+    return catalog
 
 
 def _linked(files: list[Path], folder: Path) -> list[TableFile]:

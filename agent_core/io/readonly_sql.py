@@ -123,6 +123,15 @@ class ReadOnlyCatalog:
             "SELECT view_name FROM duckdb_views() WHERE NOT internal ORDER BY view_name").fetchall()
         return [name for (name,) in rows]
 
+    def add_view(self, name: str, select: str) -> None:
+        """A view the project defines over the table views (e.g. agent_core/io/ledger.py's `costs`); never
+        a user's SQL, which goes through `select` only. Reads nothing beyond the views it names."""
+        check_select(select)
+        try:
+            self._con.execute(f'CREATE VIEW "{name}" AS {select}')
+        except duckdb.Error:  # over a damaged table: only the queries that touch it fail
+            _create_deferred_view(self._con, name, select)
+
     def relation(self, sql: str, columns: Sequence[str] = ()) -> duckdb.DuckDBPyRelation:
         """`sql` checked (`check_select`) and bound, not run: QueryError unless it returns `columns`."""
         statement = check_select(sql)

@@ -26,18 +26,18 @@ from agent_core.io.layout import RunLayout
 from agent_core.io.locks import lock_is_held
 from agent_core.io.summaries import eval_scores
 
-END_STATUSES = ("finished", "failed")
+END_STATUSES = ("finished", "failed", "stopped")  # stopped: by the audit (audit.on_alert: stop), resumable
 
 
 @dataclass(frozen=True)
 class RunStatus:
     run_id: str
-    status: str  # running | finished | failed | killed
+    status: str  # running | finished | failed | stopped | killed
     iterations_done: int
     iterations_planned: int | None  # None: the run recorded no config
     last_dev_em: float  # nan: no dev evaluation yet
     algorithm: str
-    detail: str | None  # the error of a failed run
+    detail: str | None  # the error of a failed run, the audit's reason of a stopped one
 
 
 def record_run_end(run: RunLayout, status: str, detail: str | None = None) -> None:
@@ -80,5 +80,5 @@ def run_status(run: RunLayout) -> RunStatus:
         iterations_planned=None if config is None else int(config.get("iterations", 0)),
         last_dev_em=dev[-1] if dev else math.nan,
         algorithm=str(((config or {}).get("algorithm") or {}).get("estimator", "?")),
-        detail=detail if status == "failed" else None,
+        detail=detail if status in ("failed", "stopped") else None,
     )

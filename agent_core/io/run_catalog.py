@@ -1,0 +1,78 @@
+"""One run's tables as a read-only SQL catalog: what the behaviour audit (agent_core/audit) queries.
+
+The same `ReadOnlyCatalog` as `agentr1 query` (agent_core/io/readonly_sql.py: one SELECT, on a
+connection that can read only the views' files), restricted to one run and to its iterations up to
+the one audited. Restricted, so a check needs no `WHERE run_id = ...` and sees the same rows when
+the audit of iteration k is redone after iteration k+1 exists (with trainer.max_staleness >= 1 the
+next rollout is written before iteration k is audited).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+
+from agent_core.io.layout import RunLayout
+from agent_core.io.query import _linked, _schemas, _snapshot_folder, run_table_files
+from agent_core.io.readonly_sql import QueryError, ReadOnlyCatalog, TableFile
+
+_ITERATION = re.compile(r"^iteration=(\d+)$")
+AUDIT_COLUMNS = ("iteration", "value")  # what every check's SELECT returns: one value per iteration
+
+
+def _run_files(run: RunLayout, last_iteration: int | None) -> dict[str, list]:
+    """The run's table files by table name, iterations <= last_iteration (all: None)."""
+    files: dict[str, list] = {}
+    for name, paths in run_table_files(run.data_root).items():
+        files[name] = []
+        for path in paths:
+            match = _ITERATION.match(path.parent.name)
+            if path.parent.parent.name != run.run_id or match is None:
+                continue
+            if last_iteration is None or int(match.group(1)) <= last_iteration:
+                files[name].append(path)
+    return files
+
+
+@contextmanager
+def open_run_catalog(run: RunLayout, last_iteration: int | None = None) -> Iterator[ReadOnlyCatalog]:
+    """A read-only catalog over `run`'s tables up to `last_iteration`, reading snapshot hard links
+    (a table a live run replaces meanwhile is read whole); a table with no file is an empty view."""
+    snapshot_dir = _snapshot_folder(Path(run.data_root))
+    try:
+        views = {name: _linked(paths, snapshot_dir / name) if snapshot_dir else [TableFile(p, p) for p in paths]
+                 for name, paths in _run_files(run, last_iteration).items()}
+        with ReadOnlyCatalog(views, _schemas()) as catalog:
+            yield catalog
+    finally:
+        if snapshot_dir is not None:
+            shutil.rmtree(snapshot_dir, ignore_errors=True)
+
+
+def check_run_sql(sql: str, columns: Sequence[str] = AUDIT_COLUMNS) -> None:
+    """Refuse, before any run starts, an audit SQL the audit would refuse: not one SELECT, a file or
+    column or view that does not exist, without `columns`. Bound (not run) against empty views of the
+    run tables' schemas; QueryError in one line (DuckDB's own error)."""
+    schemas = _schemas()
+    names = [name for name in schemas if name not in ("dataset_prompts", "corpus", "eval")]
+    with ReadOnlyCatalog({name: [] for name in names}, schemas) as catalog:
+        catalog.relation(sql, columns=columns)
+
+
+def select_values(catalog: ReadOnlyCatalog, sql: str) -> pa.Table:
+    """Run one audit SELECT: its (iteration, value) columns; QueryError in one line otherwise."""
+    return catalog.select(sql, columns=AUDIT_COLUMNS).select(list(AUDIT_COLUMNS))
+
+
+__all__ = ["AUDIT_COLUMNS", "QueryError", "check_run_sql", "health_uri", "open_run_catalog", "select_values"]
+
+
+def health_uri(run: RunLayout, iteration: int) -> str:
+    """The audit's `health` table of an iteration (not one of RUN_TABLES: no stage reads it back)."""
+    return str(run.iteration_dir(iteration) / "health.parquet")
