@@ -43,14 +43,19 @@ class DataConfig(_Section):
     messages, answers, env?, metadata?, documents?} (agent_core/data/prompt_files.py).
     """
 
-    source: Literal["synthetic", "hotpotqa", "2wikimultihopqa", "musique", "jsonl"] = "synthetic"
-    seed: int = 0
-    num_films: int = Field(2000, ge=4)
-    num_people: int = Field(2000, ge=4)
-    num_cities: int = Field(40, ge=2)
-    num_countries: int = Field(12, ge=2)
-    dev_fraction: float = Field(0.1, ge=0, lt=1)
-    test_fraction: float = Field(0.1, ge=0, lt=1)
+    source: Literal["synthetic", "hotpotqa", "2wikimultihopqa", "musique", "jsonl"] = Field(
+        "synthetic", description="where prompts and corpus come from: the generated task, a real dataset's native "
+        "files, or your own JSON-lines prompts (real ones and jsonl need `files`)")
+    seed: int = Field(0, description="synthetic: seed of the generated world, questions and splits; change it for "
+                      "another task of the same shape (the run's own `seed` is separate)")
+    num_films: int = Field(2000, ge=4, description="synthetic: films in the generated world (more: more questions)")
+    num_people: int = Field(2000, ge=4, description="synthetic: people in the generated world")
+    num_cities: int = Field(40, ge=2, description="synthetic: cities (shared by all splits)")
+    num_countries: int = Field(12, ge=2, description="synthetic: countries (shared by all splits)")
+    dev_fraction: float = Field(0.1, ge=0, lt=1, description="synthetic: share of questions held out as the dev "
+                                "split (assigned in whole key-person groups, see split_by); dev + test must be < 1")
+    test_fraction: float = Field(0.1, ge=0, lt=1, description="synthetic: share of questions held out as the test "
+                                 "split, like dev_fraction")
     three_hop_fraction: float = Field(0.0, ge=0, lt=1, description="synthetic: share of 3-hop bridge questions")
     comparison_fraction: float = Field(0.0, ge=0, lt=1, description="synthetic: share of comparison questions")
     distractor_fraction: float = Field(0.0, ge=0, le=1, description="synthetic: share of namesake entities")
@@ -64,7 +69,10 @@ class DataConfig(_Section):
     files: dict[Literal["train", "dev", "test"], str] = Field(
         default_factory=dict, description="real datasets: split name -> native file"
     )
-    setting: Literal["distractor", "fullwiki"] = "distractor"
+    setting: Literal["distractor", "fullwiki"] = Field(
+        "distractor", description="hotpotqa / 2wikimultihopqa: the files' setting; distractor: each question's own "
+        "paragraphs (their ids kept in metadata for analysis); fullwiki: a retriever's, so supporting ones may be "
+        "missing. Search always runs over the whole corpus")
     limit: int | None = Field(None, ge=1, description="real datasets: first N questions of each file")
     top_k: int = Field(1, ge=1, description="passages returned by one search call")
     prompts_per_iteration: int = Field(16, ge=1, description="training prompts sampled per iteration")
@@ -102,17 +110,20 @@ class PolicyConfig(_Section):
     A `path` with source tiny is refused at load, not ignored: a path never switches the source.
     """
 
-    source: Literal["tiny", "path", "smollm2"] = "tiny"
+    source: Literal["tiny", "path", "smollm2"] = Field(
+        "tiny", description="tiny: build a small model from scratch (seconds); path: a local checkpoint at `path`; "
+        "smollm2: the folder `make smollm2` makes")
     path: str | None = Field(
         None, description="the checkpoint folder of source path (or smollm2); refused with source tiny, which "
         "builds its model from scratch: set policy.source=path too"
     )
-    vocab_size: int = Field(1024, ge=300)
-    hidden_size: int = Field(128, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    intermediate_size: int = Field(344, ge=8)
-    seed: int = 0
+    vocab_size: int = Field(1024, ge=300, description="tiny: target size of the BPE vocabulary trained on the task's "
+                            "text (fewer if the text has too few merges); must hold bytes and special tokens")
+    hidden_size: int = Field(128, ge=8, description="tiny: width of the model (divisible by num_heads)")
+    num_layers: int = Field(4, ge=1, description="tiny: transformer layers")
+    num_heads: int = Field(4, ge=1, description="tiny: attention heads per layer")
+    intermediate_size: int = Field(344, ge=8, description="tiny: width of each layer's MLP")
+    seed: int = Field(0, description="tiny: seed of the weight initialisation and of the induction pretraining")
     pretrain_steps: int = Field(
         1000, ge=0, description="tiny: steps of induction pretraining (copy a repeated token span) before the warm "
         "start, the copying skill a pretrained model brings (agent_core/training/pretrain.py); 0 = none"
@@ -169,14 +180,20 @@ class VLLMConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: str = "hf"
+    """How episodes are generated: the engine, group size, per-episode budgets, sampling and the env
+    (agent_core/rollout; loop settings and sampling come from agent_core/rollout/spec.py)."""
+
+    engine: str = Field("hf", description="inference engine: hf (transformers, in this process) or vllm (a vLLM "
+                        "server, see rollout.vllm); set vllm for larger models")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     group_size: int = Field(4, ge=1, description="samples per prompt (a GRPO group)")
     max_steps: int = Field(4, ge=1, description="LLM calls per episode before it is cut off")
     max_new_tokens: int = Field(24, ge=1, description="tokens per action")
     max_context_tokens: int = Field(1024, ge=16, description="context budget of an episode")
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of training rollouts (0 = greedy); the "
+                               "trainer computes log-probs at this temperature (at 1 when it is 0)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the smallest token set with this much "
+                         "probability (1 = off)")
     max_batch_size: int = Field(64, ge=1, description="sequences per engine forward pass")
     context_mode: Literal["append", "last_k"] = Field(
         "append", description="append: every turn stays in context; last_k: keep the opening and the last turns"
@@ -204,7 +221,8 @@ class RewardConfig(_Section):
     """The scorer, and how process and outcome rewards combine into the reward trained on (done once,
     at labelling: agent_core/rewards/combine.py)."""
 
-    scorer: str = "qa_em"
+    scorer: str = Field("qa_em", description="outcome scorer of a final answer: qa_em (exact match, 0/1) or qa_f1 "
+                        "(token F1); a plugin may register more")
     format_weight: float = Field(0.1, ge=0, description="bonus for a well-formed final answer")
     process_weight: float = Field(1.0, ge=0, description="weight of the (normalized) process rewards")
     process_norm: Literal["none", "max_abs"] = Field(
@@ -215,12 +233,16 @@ class RewardConfig(_Section):
 class AlgorithmConfig(_Section):
     """Estimator, masks (docs/architecture.md §3; what each does: agent_core/algos/masks.py) and the KL term."""
 
-    estimator: str = "grpo"
+    estimator: str = Field("grpo", description="advantage estimator (agent_core/algos); gae and step_gae train a "
+                           "critic too (trainer.critic_lr)")
     norm_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
+    gamma: float = Field(1.0, ge=0, le=1, description="discount of future rewards (gae, step_gae, reinforce_pp, "
+                         "gigpo's step returns); 1 = undiscounted, as episodes are short")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (gae, step_gae): lower trades variance for the "
+                       "critic's bias")
     gigpo_omega: float = Field(1.0, ge=0, description="gigpo: weight of the anchor-state step advantage (0 = grpo)")
-    eps: float = Field(1e-6, gt=0)
+    eps: float = Field(1e-6, gt=0, description="added to a standard deviation before dividing by it (group "
+                       "normalisation, whitening); numerical guard, rarely changed")
     whiten_advantages: bool = Field(True, description="gae, step_gae: whiten advantages over the advantage mask "
                                     "(verl, Agent-R1); others ignore it (reinforce_pp* always whiten, grpo/rloo never)")
     use_loss_mask: bool = Field(True, description="off = also train on observation tokens after the first prompt, "
@@ -242,13 +264,22 @@ def _int_or_auto(minimum: int) -> PlainValidator:
 
 
 class TrainerConfig(_Section):
+    """The policy update: optimizer, learning-rate schedule, PPO clipping and loss, micro-batching and
+    memory, the critic's optimizer, and how the trained policy is kept between iterations
+    (agent_core/training)."""
+
     lr: float = Field(5e-4, ge=0, description="0 makes no update (a dry run; the learning test's control)")
-    weight_decay: float = Field(0.0, ge=0)
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.2, ge=0)
-    dual_clip: float | None = Field(None, gt=1)
-    entropy_coef: float = 0.0
-    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay of the policy's and the "
+                                "critic's optimizers (every trainable parameter)")
+    clip_low: float = Field(0.2, ge=0, description="PPO clip: the ratio is clipped below at 1 - clip_low")
+    clip_high: float = Field(0.2, ge=0, description="PPO clip: the ratio is clipped above at 1 + clip_high (raise it "
+                             "above clip_low for DAPO's clip-higher)")
+    dual_clip: float | None = Field(None, gt=1, description="ppo_clip: dual-clip constant c > 1 bounding the loss of "
+                                    "negative advantages at c * |A| (unset: off; gspo ignores it)")
+    entropy_coef: float = Field(0.0, description="weight of the entropy bonus subtracted from the loss (0 = off, "
+                                "and the entropy gets no gradient)")
+    max_grad_norm: float = Field(1.0, gt=0, description="clip the global L2 norm of the gradients to this before "
+                                 "each optimizer step")
     micro_batch_tokens: Annotated[int | Literal["auto"], _int_or_auto(64)] = Field(
         "auto", description="padded tokens per micro-batch; auto: 8192 on the CPU, on CUDA from the device's free "
         "memory and the model's shape (agent_core/training/memory.py); a micro-batch that runs out of memory is split"
@@ -257,11 +288,15 @@ class TrainerConfig(_Section):
         "auto", description="cap on tokens x vocab per micro-batch (its fp32 logits and their copies bound memory); "
         "auto: 2**26 on the CPU, none on CUDA (the memory-based budget counts the logits)"
     )
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = Field("token-mean", description="how per-token losses become one: token-mean over all "
+                               "tokens, seq-mean-token-mean (each sequence weighs the same) or seq-mean-token-sum-norm "
+                               "(Dr.GRPO: token sums over a fixed length)")
     policy_loss: str = Field("ppo_clip", description="a registered policy loss (agent_core/algos/losses.py)")
     epochs: int = Field(1, ge=1, description="passes over an iteration's data")
     mini_batches: int = Field(2, ge=1, description="optimizer steps per epoch")
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="the policy's learning rate after warm-up: constant, or a linear / cosine decay to 0 "
+        "at total_steps (agent_core/training/schedule.py)")
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up")
     total_steps: int | None = Field(None, ge=1, description="decay horizon of linear/cosine (default: the run's)")
     recompute_old_logprobs: bool = Field(
@@ -331,8 +366,11 @@ class WarmStartConfig(_Section):
     one copies names well but stops searching too early, which RL fixes within a few iterations.
     """
 
-    enabled: bool = True
-    source: Literal["oracle", "steps"] = "oracle"
+    enabled: bool = Field(True, description="run the supervised warm start before RL; false: RL starts from the "
+                          "initial policy as is (one that already uses the tools, or a smoke run: configs/tiny.yaml)")
+    source: Literal["oracle", "steps"] = Field(
+        "oracle", description="oracle: episodes of the scripted agent on the built-in task; steps: episodes of an "
+        "existing steps table (steps_uri)")
     prompts: int = Field(4000, ge=1, description="oracle: training prompts solved by the scripted agent")
     rag_prompts: int = Field(0, ge=0, description="oracle: training prompts answered in the naive_rag format too")
     lazy_fraction: float = Field(
@@ -340,7 +378,7 @@ class WarmStartConfig(_Section):
         "search (agent_core/data/oracle.py): a weak warm start whose searching RL must fix; 0 = all ideal")
     steps_uri: str | None = Field(None, description="source steps: a steps.parquet with rewards.parquet beside it")
     select_sql: str | None = Field(None, description="episodes to imitate; unset: see the class docstring")
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description="passes over the selected episodes")
     batch_size: int = Field(8, ge=1, description="sequences per optimizer step")
     lr: float = Field(1e-3, gt=0, description="3e-3 left 2 of 4 seeds of the demo on a plateau (docs/results.md)")
     loss_on: Literal["actions", "all"] = Field(
@@ -371,13 +409,18 @@ class DevEvalConfig(_Section):
     `every`-th iteration; the EM goes into the iteration summary and MLflow (metric dev_em)."""
 
     every: int = Field(1, ge=0, description="evaluate after every N-th iteration (and the last); 0 = never")
-    split: Literal["train", "dev", "test"] = "dev"
+    split: Literal["train", "dev", "test"] = Field(
+        "dev", description="the split evaluated; test is for the final report, not for choosing settings")
     prompts: int = Field(200, ge=1, description="prompts of the split evaluated (the first N)")
 
 
 class TrackingConfig(_Section):
+    """MLflow tracking: where runs are logged, the experiment, and the registered model each
+    iteration's checkpoint becomes a version of (tasks/track.py)."""
+
     tracking_uri: str | None = Field(None, description="default: sqlite database in the data root")
-    experiment: str = "agentr1"
+    experiment: str = Field("agentr1", description="MLflow experiment the run is logged under; one per study, so "
+                            "its runs compare side by side")
     model_name: str | None = Field(
         None, pattern=r"^[^'/@]+$",
         description="registered model each iteration's checkpoint becomes a version of (a loadable MLflow model; "
@@ -391,17 +434,23 @@ class TrackingConfig(_Section):
 
 
 class PipelineConfig(_Section):
+    """A whole run: its id, plugins, where its files go, the device, how many RL iterations, the run's
+    seed, and one section per stage."""
+
     run_id: str | None = Field(None, description="default: a fresh id per run")
     plugins: list[str] = Field(
         default_factory=list, description="modules imported first; they register envs, tools, estimators ..."
     )
-    data_root: str = "data"
+    data_root: str = Field("data", description="folder of everything a run writes: runs/, datasets, the MLflow "
+                           "store, Prefect's home, the model cache (relative to the working directory)")
     device: str = Field(
         "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where the policy, the reference scoring, the critic "
         "and the hf engine of this process live: auto (cuda when torch.cuda.is_available(), else cpu), cpu, cuda or "
         "cuda:N; a CUDA device the machine lacks fails at config check (agent_core/devices.py)")
-    iterations: int = Field(12, ge=1)
-    seed: int = 0
+    iterations: int = Field(12, ge=1, description="RL iterations (each: sample prompts, roll out, score, "
+                            "advantages, train)")
+    seed: int = Field(0, description="the run's seed: each iteration's prompt sample, rollout sampling and the warm "
+                      "start; change it for another training seed of the same task (data.seed is the task's)")
     data: DataConfig = DataConfig()
     policy: PolicyConfig = PolicyConfig()
     rollout: RolloutConfig = RolloutConfig()

@@ -17,7 +17,14 @@ from agent_core.training.memory import AUTO, Auto
 
 @dataclass(frozen=True)
 class PPOSettings:
-    """What one PPO iteration does (defaults = the config's defaults).
+    """What one PPO iteration does.
+
+    Defaults are the config's (trainer.*, algorithm.*, rollout.temperature), except three, which are
+    the library's own for a caller or test without a config (tests/test_ppo_settings_drift.py holds
+    the list): mini_batches 1 (the config's 2 is the demo recipe's: two optimizer steps per pass),
+    micro_batch_tokens 4096 and precision "fp32" (the config's "auto" resolves by device: 8,192
+    tokens and fp32 on the CPU, memory-based and bf16 on CUDA; a fixed default keeps a bare
+    PPOSettings the same on every machine). vf_coef and norm_length have no config key.
 
     epochs, mini_batches: passes over the data and optimizer steps per pass.
     clip_low, clip_high, dual_clip: the clipped surrogate (``agent_core.algos.losses``).
@@ -34,7 +41,8 @@ class PPOSettings:
     use_loss_mask, use_advantage_mask: the mask ablations (``agent_core.algos.masks``).
     recompute_old_logprobs: old log-probs from the policy before the first step (else the rollout's).
     activation_checkpointing: the policy recomputes its layers' activations in the backward pass.
-    precision: "fp32", or "bf16" (the policy's and critic's forward passes under bfloat16 autocast).
+    precision: "fp32", "bf16" (the policy's and critic's forward passes under bfloat16 autocast), or
+    "auto" (``agent_core.training.precision.resolve_precision``: bf16 on CUDA, fp32 on the CPU).
     """
 
     epochs: int = 1
