@@ -6,7 +6,7 @@ resumed run skipped keeps the seconds of the execution that made its outputs. `d
 the run's models lived ("cuda" or "cpu"), `device_count` how many of them the run held (1 GPU, or
 the CPU cores this process may use), `device_seconds = wall_seconds * device_count`: what a bill
 counts. `price_per_hour` / `currency` come from the run's `cost:` section; the price is null when
-unset, and every cost computed from it stays null (agent_core/cost_config.py). Stages of the run
+unset, and every cost computed from it stays null (agent_core/config/cost.py). Stages of the run
 as a whole (init_policy, warm_start, the start policy's dev_eval as `dev_eval_start`, ...) are rows
 of iteration 0. Per-step seconds and tokens are not copied here: the `step_costs` view reads them
 from the steps table. Row id in errors: `<run_id>/<iteration>/<stage>`.

@@ -21,7 +21,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from agent_core.audit import HealthRow, audit_iterations
 from agent_core.audit.report import health_markdown, write_health_report
-from agent_core.audit_config import AuditConfig
+from agent_core.config.audit import AuditConfig
 from agent_core.io.layout import RUN_TABLES, RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.run_catalog import health_uri

@@ -13,7 +13,7 @@ import pytest
 from agent_core.audit import BUILTIN_NAMES, audit_iterations
 from agent_core.audit.checks import Check
 from agent_core.audit.evaluate import judge
-from agent_core.audit_config import AuditConfig
+from agent_core.config.audit import AuditConfig
 from audit_tables import QUESTION, Action, Episode, Update, healthy, write_iteration
 
 ANSWER = Action(text="<answer>Zurport</answer>", calls=(), observation="", answer="Zurport")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agent_core.audit import audit_iterations
-from agent_core.audit_config import AuditConfig
+from agent_core.config.audit import AuditConfig
 from agent_core.io.layout import DataRoot
 from agent_core.io.run_catalog import health_uri
 from agent_core.io.tables import read_table

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent_core.audit_config import AuditConfig
+from agent_core.config.audit import AuditConfig
 from agent_core.config import ConfigError
 from agent_core.io.config_files import save_config
 from agent_core.io.layout import DataRoot

@@ -1,5 +1,5 @@
 """The built-in behaviour checks: each a name, one read-only SELECT over the run's views returning
-(iteration, value), and bounds (agent_core/audit_config.py CheckBounds: absolute max/min, and
+(iteration, value), and bounds (agent_core/config/audit.py CheckBounds: absolute max/min, and
 max_ratio/min_ratio against the mean of the run's first iterations).
 
 Defaults are set so the demo recipe (configs/demo.yaml) trains without an alert, and each names a
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from agent_core.audit_config import BOUND_KEYS, AuditConfig, CheckBounds
+from agent_core.config.audit import BOUND_KEYS, AuditConfig, CheckBounds
 
 
 @dataclass(frozen=True)

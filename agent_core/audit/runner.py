@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from agent_core.audit.checks import Check, configured_checks
 from agent_core.audit.evaluate import HealthRow, run_checks
-from agent_core.audit_config import AuditConfig
+from agent_core.config.audit import AuditConfig
 from agent_core.io.layout import RUN_TABLES, RunLayout
 from agent_core.io.run_catalog import open_run_catalog, select_values
 from agent_core.io.tables import table_exists

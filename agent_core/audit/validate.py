@@ -6,7 +6,7 @@ DuckDB's own error is told, on one line, before anything runs)."""
 from __future__ import annotations
 
 from agent_core.audit.checks import BUILTIN_NAMES
-from agent_core.audit_config import AuditConfig
+from agent_core.config.audit import AuditConfig
 from agent_core.config_errors import Problem
 from agent_core.io.run_catalog import QueryError, check_run_sql
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent_core.cost_config import CostConfig
+from agent_core.config.cost import CostConfig
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import read_manifest
 from agent_core.io.tables import read_table, table_exists

@@ -1,10 +1,10 @@
 """The `audit:` section of a pipeline config: the behaviour health checks run after each
 iteration's training (agent_core/audit; docs/guides/watch-your-agent.md).
 
-Kept apart from agent_core/config.py (which only adds the field) so the audit's settings read in
-one place. Names (a threshold for a check that does not exist) and user SQL (one SELECT over the
-run's views returning `iteration` and `value`) are checked by agent_core.validation.check_names,
-before any run starts.
+Its own module of the config package (agent_core/config/pipeline.py only adds the field) so the
+audit's settings read in one place. Names (a threshold for a check that does not exist) and user
+SQL (one SELECT over the run's views returning `iteration` and `value`) are checked by
+agent_core.validation.check_names, before any run starts.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 price on a run (agent_core/io/ledger.py). Unset prices stay null in every cost column, never zero:
 a run with no price set has an unknown cost, not a free one.
 
-Its own module (not agent_core/config.py) so the ledger can read it without the whole config.
+Its own module of the config package, like every section (agent_core/config/pipeline.py adds the field).
 """
 
 from __future__ import annotations

@@ -1,0 +1,20 @@
+"""What every config section shares: frozen, unknown keys refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, PlainValidator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _int_or_auto(minimum: int) -> PlainValidator:
+    """An integer >= minimum or "auto", with one message (a plain union would give two)."""
+    def check(value: Any) -> int | str:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+            return value
+        raise ValueError(f"got {value!r}; it must be an integer >= {minimum} or auto")
+    return PlainValidator(check)

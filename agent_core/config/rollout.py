@@ -1,0 +1,81 @@
+"""The `rollout:` section: how episodes are generated, and the vLLM engine's server (`rollout.vllm`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from agent_core.config._base import _Section
+
+
+class VLLMConfig(_Section):
+    """How the vLLM engine's server runs (rollout.engine: vllm; `make vllm` installs it)."""
+
+    python: str | None = Field(None, description="the vLLM venv's python (default: $AGENTR1_VLLM_PYTHON or .venv-vllm)")
+    kv_cache_gib: float = Field(1.0, gt=0, description="CPU backend: KV cache size in GiB; fractions work (0.25 "
+                                "holds ~11k tokens of SmolLM2 in bfloat16, and saves 0.75 GiB of the server's memory)")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="GPU backend: share of the GPU's memory the server takes (weights, KV cache, "
+        "graphs; --gpu-memory-utilization); the trainer on the same GPU needs the rest while the server is awake. "
+        "On GPU it decides and kv_cache_gib is ignored; on CPU kv_cache_gib decides and this is ignored")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="weights and compute dtype")
+    weight_sync: Literal["reload", "restart"] = Field(
+        "reload", description="reload: new weights into the running server (restart on failure); restart: always restart"
+    )
+    keep_server: bool = Field(
+        True, description="false: stop the server when its rollout ends, so training gets its memory (~3.7 GiB for "
+        "SmolLM2 on CPU); each rollout then starts a fresh one (~25-45 s)")
+    sleep_mode: Literal["auto", "always", "never"] = Field(
+        "auto", description="a kept server sleeps between rollouts (POST /sleep?level=1: weights to CPU memory, KV "
+        "cache freed) so the trainer on the same GPU gets its memory, and wakes before the next rollout. auto: on GPU "
+        "(the server starts with --enable-sleep-mode); always: also on CPU, where vLLM's sleep does nothing; never. "
+        "Not run on a GPU here (docs/architecture.md §6)")
+    startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the server's /health")
+    max_concurrent_calls: int = Field(8, ge=1, description="generate calls the agent loop keeps in flight")
+    extra_args: tuple[str, ...] = Field((), description="more vLLM server flags, verbatim")
+
+    @model_validator(mode="after")
+    def _sleep_needs_a_kept_server(self) -> "VLLMConfig":
+        if self.sleep_mode == "always" and not self.keep_server:
+            raise ValueError("sleep_mode=always puts a kept server to sleep between rollouts, but keep_server=false "
+                             "stops it instead: set one of them")
+        return self
+
+
+class RolloutConfig(_Section):
+    """How episodes are generated: the engine, group size, per-episode budgets, sampling and the env
+    (agent_core/rollout; loop settings and sampling come from agent_core/rollout/spec.py)."""
+
+    engine: str = Field("hf", description="inference engine: hf (transformers, in this process) or vllm (a vLLM "
+                        "server, see rollout.vllm); set vllm for larger models")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    group_size: int = Field(4, ge=1, description="samples per prompt (a GRPO group)")
+    max_steps: int = Field(4, ge=1, description="LLM calls per episode before it is cut off")
+    max_new_tokens: int = Field(24, ge=1, description="tokens per action")
+    max_context_tokens: int = Field(1024, ge=16, description="context budget of an episode")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of training rollouts (0 = greedy); the "
+                               "trainer computes log-probs at this temperature (at 1 when it is 0)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the smallest token set with this much "
+                         "probability (1 = off)")
+    max_batch_size: int = Field(64, ge=1, description="sequences per engine forward pass")
+    context_mode: Literal["append", "last_k"] = Field(
+        "append", description="append: every turn stays in context; last_k: keep the opening and the last turns"
+    )
+    keep_last_turns: int = Field(2, ge=1, description="turns kept by context_mode=last_k")
+    max_observation_tokens: int | None = Field(None, ge=1, description="cut each observation to this many tokens")
+    env: str | None = Field(None, description="env for every prompt (default: each prompt's own, from the dataset)")
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="merged over each prompt's env kwargs, e.g. {tool_format: hermes}"
+    )
+    tool_instructions: bool = Field(
+        False, description="envs that take `instructions` (tool_env, search_qa) write the tool-call format into the "
+        "system prompt; off by default: the tiny policy learns the format from the warm start and copies better "
+        "in short contexts; turn on for a pretrained instruct policy. env_kwargs.instructions wins")
+    env_workers: int = Field(8, ge=1, description="threads running env steps (tool calls) concurrently")
+    straggler_wait_s: float = Field(2.0, ge=0, description="serial engine (hf): how long it waits, free, for pending tool calls before generating for the ready episodes (.inf: lock-step turns, seeded runs reproducible); concurrent engines (vllm) never wait")
+
+    @property
+    def instructions(self) -> bool:
+        """Whether an env that takes `instructions` writes them: env_kwargs.instructions, else tool_instructions."""
+        return bool(self.env_kwargs.get("instructions", self.tool_instructions))
