@@ -193,9 +193,10 @@ def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConf
     `agent_program` run the user's program against the gateway instead (`_roll_out_programs`);
     `corpus_path`: the corpus table those programs may search (AGENTR1_CORPUS)."""
     spec = RolloutSpec.from_config(cfg) if spec is None else spec
-    programs = [p for p in prompts if env_of(p, cfg)[0] == PROGRAM_ENV]
-    if programs:
-        others = [p for p in prompts if env_of(p, cfg)[0] != PROGRAM_ENV]
+    is_program = [env_of(p, cfg)[0] == PROGRAM_ENV for p in prompts]
+    if any(is_program):
+        programs = [p for p, program in zip(prompts, is_program) if program]
+        others = [p for p, program in zip(prompts, is_program) if not program]
         looped = roll_out(engine, tokenizer, others, documents, cfg, seed=seed, policy_version=policy_version,
                           episode_prefix=episode_prefix, group_size=group_size, timings=timings,
                           spec=spec) if others else []

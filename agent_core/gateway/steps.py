@@ -74,10 +74,12 @@ def steps_from_calls(identity: EpisodeIdentity, calls: EpisodeCalls, end: Episod
     observation into observation_text (else left empty)."""
     records: list[StepRecord] = []
     last_idx = len(calls.calls) - 1
+    # each step's history once: step k shares its prefix with step k+1 exactly when k+1 appended
+    histories = [history_of(call.prompt_ids, calls.calls[k - 1] if k else None) for k, call in enumerate(calls.calls)]
     for k, call in enumerate(calls.calls):
         done = k == last_idx
         following = None if done else calls.calls[k + 1]
-        shared = following is not None and history_of(following.prompt_ids, call) == HISTORY_APPENDED
+        shared = following is not None and histories[k + 1] == HISTORY_APPENDED
         termination, end_info = termination_of(calls, end) if done else (None, {})
         observation = ""
         if shared:  # the ids the agent's new messages added, as text
@@ -97,7 +99,7 @@ def steps_from_calls(identity: EpisodeIdentity, calls: EpisodeCalls, end: Episod
             finish_reason=call.finish_reason, prefix_shared=shared, info=json_text(info),
             served_by=call.served_by, retries=call.retries, generated_at=call.generated_at,
             anchor=opening_anchor(call.prompt_ids) if k == 0 else None,
-            history=history_of(call.prompt_ids, None if k == 0 else calls.calls[k - 1]),
+            history=histories[k],
         ))
     return records
 
