@@ -30,10 +30,15 @@ from kill_harness import RUN_ID, prefect_api_url, registered_iterations, run_cli
 from tasks.run_config import recording_end
 
 # Tables with wall-clock columns (kill_harness.TIMING_COLUMNS): a redone stage writes them with other
-# bytes, so they are compared row for row without those columns; every other file byte for byte.
-CLOCKED = ("steps.parquet", "train_metrics.parquet")
+# bytes, so they are compared row for row without those columns; every other file byte for byte. The
+# ledger is all stage timings, rewritten after every iteration.
+CLOCKED = ("steps.parquet", "train_metrics.parquet", "ledger.parquet")
+# An iteration's stages in order; the audit reads its iteration's tables, so a redone rollout or train
+# (whose tables hold wall-clock columns) redoes it, and the later iterations' audits whose baseline
+# includes this iteration (audit.baseline_iterations), e.g. AUDIT_1 for iteration 0.
 ITERATION_0 = [f"iteration=0/_manifests/{s}.json" for s in ("rollout", "label_rewards", "compute_advantages",
-                                                             "train", "log_iteration")]
+                                                             "train", "log_iteration", "audit")]
+AUDIT_1 = "iteration=1/_manifests/audit.json"
 
 
 def _damage(path: Path, how: str) -> None:
@@ -117,20 +122,20 @@ def test_a_truncated_steps_table_redoes_its_rollout_and_what_depends_on_it(one_i
 CASES = {
     ("iteration=0/prompts.parquet", "truncate"): ["iteration=0/_manifests/prepare_data.json"],
     ("iteration=0/prompts.parquet", "garbage"): ["iteration=0/_manifests/prepare_data.json"],
-    ("iteration=0/steps.parquet", "garbage"): ITERATION_0,
-    ("iteration=0/steps.parquet", "delete"): ITERATION_0,
+    ("iteration=0/steps.parquet", "garbage"): [*ITERATION_0, AUDIT_1],
+    ("iteration=0/steps.parquet", "delete"): [*ITERATION_0, AUDIT_1],
     ("iteration=1/steps.parquet", "truncate"): [s.replace("iteration=0", "iteration=1") for s in ITERATION_0],
     ("iteration=0/rewards.parquet", "truncate"): ["iteration=0/_manifests/label_rewards.json"],
     ("iteration=0/rewards.parquet", "delete"): ["iteration=0/_manifests/label_rewards.json"],
     ("iteration=0/advantages.parquet", "garbage"): ["iteration=0/_manifests/compute_advantages.json"],
     ("iteration=0/advantages.parquet", "truncate"): ["iteration=0/_manifests/compute_advantages.json"],
-    ("iteration=0/train_metrics.parquet", "garbage"): ITERATION_0[3:],
+    ("iteration=0/train_metrics.parquet", "garbage"): [*ITERATION_0[3:], AUDIT_1],
     ("iteration=1/train_metrics.parquet", "delete"): [s.replace("iteration=0", "iteration=1") for s in ITERATION_0[3:]],
-    ("iteration=0/checkpoint/model.safetensors", "truncate"): ITERATION_0[3:],
-    ("iteration=0/checkpoint/model.safetensors", "garbage"): ITERATION_0[3:],
-    ("iteration=0/checkpoint", "delete"): ITERATION_0[3:],
-    ("iteration=0/optimizer.pt", "garbage"): ITERATION_0[3:],
-    ("iteration=0/optimizer.pt", "delete"): ITERATION_0[3:],
+    ("iteration=0/checkpoint/model.safetensors", "truncate"): [*ITERATION_0[3:], AUDIT_1],
+    ("iteration=0/checkpoint/model.safetensors", "garbage"): [*ITERATION_0[3:], AUDIT_1],
+    ("iteration=0/checkpoint", "delete"): [*ITERATION_0[3:], AUDIT_1],
+    ("iteration=0/optimizer.pt", "garbage"): [*ITERATION_0[3:], AUDIT_1],
+    ("iteration=0/optimizer.pt", "delete"): [*ITERATION_0[3:], AUDIT_1],
     ("initial_policy/model.safetensors", "truncate"): ["_manifests/init_policy.json"],
     # not under a manifest: written again when no longer Parquet, the same bytes, so no run sees a change
     ("dataset/prompts.parquet", "garbage"): [],
@@ -166,7 +171,7 @@ def test_a_killed_run_with_a_damaged_table_resumes_to_the_undamaged_run(two_iter
     assert "iteration 0 rollout: redoing the stage, its outputs are missing or damaged" in output
     after = _manifest_times(root)
     assert sorted(n for n in after if after[n] != killed_times.get(n)) == sorted(
-        [*ITERATION_0, "iteration=1/_manifests/train.json", "iteration=1/_manifests/log_iteration.json"])
+        [*ITERATION_0, "iteration=1/_manifests/train.json", "iteration=1/_manifests/log_iteration.json", AUDIT_1])
     assert snapshot(root) == rows
     got = _files(root)
     assert [name for name in files if got.get(name) != files[name] and not name.endswith(CLOCKED)] == []
