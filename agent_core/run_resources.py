@@ -9,7 +9,7 @@ that sets them up and frees them; the flow opens it once (`with RunResources(con
 
 Placement and colocation, on entry: `device` is the run's `device` setting resolved once
 (agent_core/devices.py), and the string the stages pass on (`resources.device_setting`). With
-trainer.keep_policy_in_memory and training in this process, hf engines borrow the trainer's resident
+runtime.keep_policy_in_memory and training in this process, hf engines borrow the trainer's resident
 policy (`engines.lending(resident.lend)`): one copy of the weights on the device, no reload per
 rollout; the module generates in eval mode without autograd and goes back to the trainer as it came.
 
@@ -53,7 +53,7 @@ class RunResources:
         self.device_setting = config.device
         self.device: torch.device | None = None  # resolved on entry
         # One process trains and generates: the engine may borrow the trainer's module.
-        self.colocated = config.trainer.keep_policy_in_memory and config.cluster.address is None
+        self.colocated = config.runtime.keep_policy_in_memory and config.cluster.address is None
         self._stack: ExitStack | None = None
 
     def __enter__(self) -> "RunResources":

@@ -35,7 +35,7 @@ from agent_core.io.query import QueryError, check_episode_selection
 from agent_core.registry import Registry, UnknownNameError
 from agent_core.rewards.scorers import SCORERS
 from agent_core.rollout.engines import ENGINES
-from agent_core.rollout.vllm_server import VLLMNotInstalledError, VLLMOptions, vllm_python
+from agent_core.rollout.vllm_server import VLLMNotInstalledError, vllm_python
 
 # `owner/name`, the shape of a Hugging Face Hub id
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -144,7 +144,7 @@ def check_runnable(config: PipelineConfig, source: str = "config", overrides: Se
         problems.append(Problem("device", str(error)))
     if config.rollout.engine == "vllm" and not config.cluster.replica_urls:
         try:
-            vllm_python(VLLMOptions(python=config.rollout.vllm.python))
+            vllm_python(config.rollout.vllm)
         except VLLMNotInstalledError as error:
             problems.append(Problem("rollout.engine", str(error)))
     if problems:

@@ -178,14 +178,14 @@ def resolve_results_dir(override: str | Path | None = None) -> Path:
     return Path(chosen) if chosen else RESULTS_DIR
 
 
-def _json_safe(value):
+def json_safe(value):
     """nan/inf -> None: the files stay strict JSON (json.dumps would write NaN)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -216,7 +216,7 @@ def write_result(name: str, title: str, measurements: list[Measurement], *, seco
     outside = not Path(folder).resolve().is_relative_to(CHECKOUT)
     payload = portable(payload, {"data root": data_root, "results dir": folder if outside else None})
     path = folder / f"{name}.json"
-    path.write_text(json.dumps(_json_safe(payload), indent=2, allow_nan=False) + "\n")
+    path.write_text(json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n")
     print(f"bench: wrote {path}")
     for m in measurements:
         if m.skipped:

@@ -51,7 +51,7 @@ import torch
 from agent_core.config import RolloutConfig
 from agent_core.devices import resolve_device
 from agent_core.io.portable_paths import CHECKOUT, portable
-from bench.common import Goal, Measurement, Progress, _json_safe, machine_info, parse_args, skipped_measurement
+from bench.common import Goal, Measurement, Progress, json_safe, machine_info, parse_args, skipped_measurement
 from bench.gpu_iteration import free_memory, lora_settings, memory_limit, rl_iteration, with_lora
 from bench.gpu_speed import GOALS as SPEED_GOALS
 from bench.gpu_speed import generation_row, out_of_memory, trainer_arms, trainer_measurements
@@ -222,7 +222,7 @@ def write(path: Path, measurements: list[Measurement], args, argv, seconds: floa
     path.parent.mkdir(parents=True, exist_ok=True)
     outside = not path.parent.resolve().is_relative_to(CHECKOUT)
     payload = portable(payload, {"results dir": path.parent if outside else None})
-    path.write_text(json.dumps(_json_safe(payload), indent=2, allow_nan=False) + "\n")
+    path.write_text(json.dumps(json_safe(payload), indent=2, allow_nan=False) + "\n")
     return path
 
 

@@ -12,9 +12,9 @@ from dataclasses import asdict, replace
 
 import torch
 
-from agent_core.config import AlgorithmConfig, TrainerConfig
-from agent_core.rollout.engine import SamplingParams
+from agent_core.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from agent_core.rollout.hf_engine import HFEngine
+from agent_core.rollout.spec import RolloutSpec
 from agent_core.training.batches import choose_layout, make_micro_batches
 from agent_core.training.precision import resolve_precision
 from agent_core.training.prepared import training_micro_batch_tokens
@@ -153,7 +153,8 @@ def generation_row(model, tokenizer, args, device, progress) -> Measurement:
     rng = random.Random(args.seed)
     vocab, pad = len(tokenizer), tokenizer.pad_token_id
     prompts = [[rng.randrange(3, vocab) for _ in range(args.gen_prompt_len)] for _ in range(args.gen_batch)]
-    params = SamplingParams(max_new_tokens=args.gen_new_tokens, temperature=1.0, top_p=1.0, seed=args.seed)
+    params = RolloutSpec.from_config(RolloutConfig(max_new_tokens=args.gen_new_tokens, temperature=1.0,
+                                                   top_p=1.0)).sampling(args.seed)
     bare = copy.deepcopy(model).to(torch.bfloat16).eval()
     ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)

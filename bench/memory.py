@@ -19,7 +19,7 @@ Four runs, one after the other, each in a fresh subprocess whose whole process t
    and `trainer.activation_checkpointing: true`; keys end in `-low-memory`. The memory/time
    trade-off of the same iteration, side by side.
 2. `ours`: bench/trl_compare.py's single-turn setting for one iteration: 16 x 4 x 64 tokens,
-   rollout.max_steps=1, HF engine, one optimizer step (trl_compare.pipeline_config).
+   rollout.max_steps=1, HF engine, one optimizer step (bench/pipeline_side.py `pipeline_config`).
 2b. `ours` again with `trainer.activation_checkpointing: true` (key
    `peak_vs_trl-activation-checkpointing`; TRL keeps its defaults, where gradient_checkpointing is
    off: TRL has that option too).
@@ -81,10 +81,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from bench.common import Goal, Measurement, base_parser, parse_args, skipped_measurement, write_result
+from bench.memory_child import LOW_MEMORY_KV_CACHE_GIB, REPORT, child, single_turn_setting
+from bench.memory_why import why_iteration_peak, why_iteration_slow, why_peak_vs_trl
 from bench.process_tree import (  # noqa: F401 - TreeWatch, classify: part of this script's tested surface
     GIB, POLL_S, REPO, TreeWatch, Watched, classify, phase_of, phase_peaks, run_watched, tree_peak,
 )
@@ -98,194 +99,12 @@ TRL_PEAK_GOAL = Goal("this pipeline's peak RSS / TRL GRPOTrainer's, same single-
                      "<=", 1.0)
 QUICK = dict(model="tiny", prompts=4, group_size=2, max_steps=2, max_new_tokens=16)
 PARTS = ("iteration", "low_memory", "trl")
-LOW_MEMORY_KV_CACHE_GIB = 0.25  # run 1b's KV cache: ~11k tokens of SmolLM2 in bfloat16, 0.74 GiB less than 1
-REPORT = "memory_report.json"
-
-
-# ---- the measured runs (children) -------------------------------------------------------------------
-
-
-def iteration_config(spec: dict, data_root: Path):
-    """The issue's iteration as a pipeline config: the named settings over the pipeline's defaults."""
-    from agent_core.validation import build_config
-
-    rollout = {"engine": spec["engine"], "group_size": spec["group_size"], "max_steps": spec["max_steps"],
-               "max_new_tokens": spec["max_new_tokens"], "tool_instructions": spec["model"] == "smollm2"}
-    rollout["vllm"] = {"kv_cache_gib": spec["kv_cache_gib"]} if spec.get("kv_cache_gib") else {}
-    trainer = {"micro_batch_tokens": spec["micro_batch_tokens"]} if spec.get("micro_batch_tokens") else {}
-    if spec.get("low_memory"):  # the server's memory back for training; a smaller KV cache; activations recomputed
-        rollout["vllm"]["keep_server"] = False
-        rollout["vllm"].setdefault("kv_cache_gib", LOW_MEMORY_KV_CACHE_GIB)
-        trainer["activation_checkpointing"] = True
-    if spec.get("precision") == "bf16":  # the fast setting: bf16 autocast training, bf16 vLLM weights
-        trainer["precision"] = "bf16"
-        rollout["vllm"]["dtype"] = "bfloat16"
-    return build_config({
-        "run_id": spec["run_id"], "data_root": str(data_root), "iterations": spec["iterations"], "seed": 0,
-        "data": {"prompts_per_iteration": spec["prompts"]},
-        "policy": {"source": "path", "path": spec["model_dir"]},
-        "rollout": rollout, "algorithm": {"estimator": "grpo"}, "trainer": trainer,
-        "warm_start": {"enabled": False}, "dev_eval": {"every": 0},
-    }, source="bench.memory")
-
-
-def single_turn_setting(spec: dict):
-    from bench.trl_side import Setting
-
-    return Setting(prompts=spec["prompts"], group_size=spec["group_size"], max_new_tokens=spec["max_new_tokens"],
-                   iterations=1, micro_batch_tokens=spec.get("micro_batch_tokens"),
-                   activation_checkpointing=spec.get("activation_checkpointing", False))
-
-
-def steps_summary(config, run_dir: Path, k: int) -> dict:
-    """What iteration k's rollout produced (its steps table): episodes, agent steps, tokens, contexts."""
-    from agent_core.io.layout import DataRoot
-    from agent_core.io.tables import read_table
-
-    run = DataRoot(Path(config.data_root)).run(run_dir.name)
-    rows = read_table("steps", run.table_uri(k, "steps")).select(
-        ["episode_id", "step_idx", "prompt_ids", "response_ids", "termination", "done"]).to_pylist()
-    episodes: dict[str, list[dict]] = defaultdict(list)
-    for row in rows:
-        episodes[row["episode_id"]].append(row)
-    contexts = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
-    last = [max(steps, key=lambda r: r["step_idx"]) for steps in episodes.values()]
-    terminations: dict[str, int] = defaultdict(int)
-    for row in last:
-        terminations[str(row["termination"])] += 1
-    return {"episodes": len(episodes), "agent_steps": len(rows),
-            "steps_per_episode": len(rows) / max(1, len(episodes)),
-            "generated_tokens": sum(len(r["response_ids"]) for r in rows),
-            "first_prompt_tokens_mean": statistics.mean(len(r["prompt_ids"]) for r in rows if r["step_idx"] == 0),
-            "largest_context_tokens": max(contexts),
-            # an append-only episode trains as one sequence: its last step's context + action
-            "episode_tokens_total": sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in last),
-            "terminations": dict(terminations)}
-
-
-def _report(config, result, clock, spec: dict, started: float) -> dict:
-    """The child's JSON report: timings by iteration, setup and wrap-up, phases, tokens, own peak."""
-    from bench.common import peak_rss_gib
-
-    events = clock.events
-    spans = {k: clock.spans[k] for k in sorted(clock.spans)}
-    flow = clock.first("run:train")
-    body = clock.first("run:_train")
-    first_start, last_end = spans[min(spans)][0], spans[max(spans)][1]
-    setup = {"flow_run_start": body[0] - flow[0]} if body else {}  # Prefect's temporary API server, checks
-    for name in ("record_config", "prepare_dataset", "init_policy", "start_tracking"):
-        found = clock.first(f"run:{name}")
-        if found and found[1] <= first_start:
-            setup[name] = found[1] - found[0]
-    setup["other"] = first_start - flow[0] - sum(setup.values())
-    iterations = []
-    for k, (start, end, cpu_start, cpu_end) in spans.items():
-        probes = clock.probes(k)
-        iterations.append({"iteration": k, "wall_seconds": end - start, "cpu_seconds": cpu_end - cpu_start,
-                           "stage_seconds": dict(clock.seconds[k]), "probe_seconds": probes,
-                           "steps": steps_summary(config, Path(result.run_dir), k)})
-    phases = [["startup", started, flow[0]], ["setup", flow[0], first_start]]
-    phases += [[f"{name.split(':', 1)[1]}", s, e] for name, _, s, e in events if name.startswith("stage:")]
-    phases += [["wrap_up", last_end, flow[1]], ["exit", flow[1], time.time() + 60]]
-    return {"kind": spec["kind"], "run_seconds": time.time() - started, "flow_seconds": flow[1] - flow[0],
-            "setup_seconds": setup, "wrap_up_seconds": flow[1] - last_end, "iterations": iterations,
-            "phases": phases, "self_peak_rss_gib": peak_rss_gib(), "model_dir": spec["model_dir"]}
-
-
-def child(spec_path: Path) -> int:
-    """Inside the subprocess: run the flow as `spec` says, write the JSON report next to the spec."""
-    started = time.time()
-    spec = json.loads(spec_path.read_text())
-    root = Path(spec["root"])
-    from flows.environment import configure_environment
-
-    configure_environment(root / "data")  # before anything imports prefect
-    from bench.pipeline_clock import run_pipeline
-    from bench.trl_compare import pipeline_config, pipeline_tokens
-
-    if spec["kind"] == "iteration":
-        config = iteration_config(spec, root / "data")
-    else:
-        config = pipeline_config(Path(spec["model_dir"]), root / "data", single_turn_setting(spec), "hf",
-                                 iterations=1, run_id=spec["run_id"])
-    result, clock = run_pipeline(config)
-    report = _report(config, result, clock, spec, started)
-    report["prompt_tokens"] = pipeline_tokens(config, Path(result.run_dir))[0]
-    spec_path.with_name(REPORT).write_text(json.dumps(report))
-    return 0
 
 
 def _child_command(spec: dict, root: Path) -> list[str]:
     path = root / f"spec-{spec['kind']}.json"
     path.write_text(json.dumps({**spec, "root": str(root)}))
     return [sys.executable, "-m", "bench.memory", "--child", str(path)]
-
-
-# ---- peaks and their explanations -------------------------------------------------------------------
-
-
-def why_iteration_slow(goal_s: float, it: dict) -> str:
-    """Why the iteration took longer than `goal_s`, from its measured parts (stage and probe seconds,
-    tokens), and what each part would have to take for the goal with the others as measured."""
-    seconds, stages, probes, steps = it["seconds"], it["stage_seconds"], it["probe_seconds"], it["steps"]
-    start = it.get("vllm_server_start_seconds") or 0.0
-    rollout = stages.get("rollout", 0.0) - start
-    train = stages.get("train", 0.0)
-    rest = seconds - rollout - train
-    text = [f"The iteration took {seconds:.0f} s, {seconds - goal_s:.0f} s over the {goal_s:.0f} s goal "
-            f"(the vLLM server's one-off start, {start:.0f} s, left out)."]
-    roll = (f"Rollout {rollout:.0f} s: {steps['episodes']} episodes, {steps['agent_steps']} agent steps "
-            f"({steps['steps_per_episode']:.1f} per episode), {steps['generated_tokens']} generated tokens "
-            f"({steps['generated_tokens'] / max(rollout, 1e-9):.0f} tokens/s over the stage)")
-    if probes.get("generate") is not None:
-        roll += (f"; engine calls in flight {probes['generate']:.0f} s, the rest of the stage "
-                 f"{rollout - probes['generate']:.0f} s (env steps, tokenizing, tables, loading the tokenizer)")
-    text.append(roll + ".")
-    tr = (f"Train {train:.0f} s for {steps['episode_tokens_total']} episode tokens "
-          f"({steps['episode_tokens_total'] / max(train, 1e-9):.0f} tokens/s)")
-    if probes.get("train_compute") is not None:
-        tr += (f"; forward/backward/optimizer steps {probes['train_compute']:.0f} s, the rest of the stage "
-               f"{train - probes['train_compute']:.0f} s (loading the policy, building batches, saving checkpoint "
-               "and optimizer state)")
-    text.append(tr + ".")
-    text.append(f"Other stages and gaps (prepare, rewards, advantages, MLflow): {rest:.0f} s.")
-    need_rollout, need_train = goal_s - train - rest, goal_s - rollout - rest
-    text.append(
-        (f"With the rest as measured, the rollout would have to take <= {need_rollout:.0f} s "
-         f"({rollout / need_rollout:.1f}x faster)" if need_rollout > 0 else
-         f"Train and the rest alone ({train + rest:.0f} s) exceed the goal, so a faster rollout cannot reach it alone")
-        + (f", or training <= {need_train:.0f} s ({train / need_train:.1f}x faster)." if need_train > 0 else
-           f"; rollout and the rest alone ({rollout + rest:.0f} s) exceed it too, so faster training cannot either."))
-    return " ".join(text)
-
-
-def why_iteration_peak(goal_gib: float, peak: dict, kv_cache_gib: float) -> str:
-    """Why the iteration's tree passed `goal_gib`: who held what at the peak (measured)."""
-    groups = peak["groups_at_peak_gib"]
-    vllm = groups.get("vllm", 0.0)
-    text = [f"The process tree peaked at {peak['peak_gib']:.2f} GiB during {peak['phase_at_peak']}: flow process "
-            f"{groups.get('flow', 0.0):.2f} GiB, vLLM server processes {vllm:.2f} GiB (KV cache set to "
-            f"{kv_cache_gib:g} GiB of it), Prefect's server {groups.get('prefect', 0.0):.2f} GiB, other "
-            f"{groups.get('other', 0.0):.2f} GiB."]
-    text.append(f"Summed PSS (shared pages once) peaked at {peak['tree_pss_peak_gib']:.2f} GiB.")
-    text.append(f"The flow process alone peaked at {peak['own_process_peak_gib']:.2f} GiB (exact) during "
-                f"{peak['own_process_phase_at_peak']}.")
-    without = peak["sampled_tree_peak_gib"] - vllm
-    text.append(f"Without the vLLM server resident at that moment the tree would have held {without:.2f} GiB"
-                + (f", under the goal." if without <= goal_gib else f", still {without - goal_gib:.2f} GiB over."))
-    return " ".join(text)
-
-
-def why_peak_vs_trl(ours: dict, trl: dict) -> str:
-    """Why the pipeline's single-turn peak is above TRL's on the same work (measured parts)."""
-    groups = ours["groups_at_peak_gib"]
-    return (f"This pipeline peaked at {ours['peak_gib']:.2f} GiB during {ours['phase_at_peak']} (flow process "
-            f"{groups.get('flow', 0.0):.2f} GiB, Prefect's server {groups.get('prefect', 0.0):.2f} GiB, other "
-            f"{groups.get('other', 0.0):.2f} GiB; the flow process's exact peak {ours['own_process_peak_gib']:.2f} GiB "
-            f"during {ours['own_process_phase_at_peak']}) vs TRL's {trl['peak_gib']:.2f} GiB (exact "
-            f"{trl['own_process_peak_gib']:.2f} GiB; {trl.get('rss_gib_after_setup', float('nan')):.2f} GiB once its "
-            f"trainer was built): {ours['peak_gib'] - trl['peak_gib']:.2f} GiB more. The flow process alone is "
-            f"{ours['own_process_peak_gib'] / trl['own_process_peak_gib']:.2f}x TRL's process.")
 
 
 # ---- the parts --------------------------------------------------------------------------------------
@@ -306,10 +125,11 @@ def measure_iteration(args, model_dir: Path, root: Path, low_memory: bool = Fals
     keys = tuple(f"{name}{suffix}" for name in ("iteration_seconds", "iteration_peak_gib", "iteration_flow_peak_gib"))
     goals = ((ITERATION_SECONDS_GOAL, ITERATION_PEAK_GOAL, None) if args.model == "smollm2" else (None,) * 3)
     if args.engine == "vllm":
-        from agent_core.rollout.vllm_server import VLLMNotInstalledError, VLLMOptions, vllm_python
+        from agent_core.config import VLLMConfig
+        from agent_core.rollout.vllm_server import VLLMNotInstalledError, vllm_python
 
         try:
-            vllm_python(VLLMOptions())
+            vllm_python(VLLMConfig())
         except VLLMNotInstalledError as error:
             reason = f"{str(error).split('. ')[0]} (`make vllm`)"
             return [skipped_measurement(k, g, reason) for k, g in zip(keys, goals)]
@@ -390,7 +210,7 @@ def kv_cache_facts(model_dir: Path, kv_gib: float, dtype_bytes: int) -> dict:
 def measure_vs_trl(args, model_dir: Path, root: Path) -> list[Measurement]:
     """Runs 2 and 3 (and 2b): the same single-turn work in this pipeline and in TRL; the peak ratios."""
     from agent_core.io.layout import new_run_id
-    from bench.trl_compare import pipeline_config, planned_prompts
+    from bench.pipeline_side import pipeline_config, planned_prompts
     from bench.trl_side import TRL_PYTHON, trl_command, trl_events, trl_spec
 
     goal = TRL_PEAK_GOAL if args.model == "smollm2" else None
@@ -501,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     if args.child:
         return child(args.child)
-    from bench.trl_compare import build_tiny_model, smollm2_dir
+    from bench.pipeline_side import build_tiny_model, smollm2_dir
 
     started = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="agentr1-memory-"))

@@ -4,26 +4,34 @@ forward/backward/optimizer steps (Prefect, Parquet I/O, schema validation, check
 Runs the real training flow (flows/train.py `train`) on a fresh temporary data root: the demo's
 config (configs/demo.yaml; --quick: configs/tiny.yaml) with the warm start and dev evaluation off,
 --iterations iterations of --prompts x --group-size episodes of up to --max-steps steps. Nothing
-in the library is changed; this process wraps, for the duration of the run:
+in the library is changed. What every run records (issue 33) gives most of the numbers, read
+after the run with `agent_core.io.query.run_query` (what `agentr1 query` runs):
 
-- `HFEngine.generate`: time generating (the rollout's engine calls);
-- `agent_core.training.trainer._accumulate_and_step`: time in forward + backward + clip + optimizer
-  step over an update's micro-batches (the trainer's compute; padding the batches is outside it);
-- the stage tasks as `flows.train` calls them (prepare_data ... log_iteration): iteration k runs
-  from the start of its prepare_data to the end of its log_iteration, and each stage's seconds
-  (Prefect task overhead included) say where the rest goes.
+- generation: the steps table's `info.generate_seconds` (the wall time of the generate call that
+  produced a step's action), summed once per call (a call's steps share `generated_at`);
+- the trainer's compute: `train_metrics.seconds`, each optimizer step's forward + backward + clip +
+  step over its micro-batches (building the padded micro-batches included);
+- the stages that write a manifest: the `ledger` table's `wall_seconds` (prepare_data, rollout,
+  label_rewards, compute_advantages, train; agent_core/io/ledger.py), each from the stage's record
+  to its commit.
 
-Two of those stages are also reported as their own share of the iteration's wall time: the cost
-ledger (`record_ledger`, tasks/ledger.py) and the behaviour audit (`audit_iteration`,
-tasks/audit.py; goal <= 0.05, issue 33). Either, missing from flows.train, is reported as skipped.
-An iteration ends where its last stage ends (the audit runs after log_iteration).
+No table holds when an iteration starts and ends, nor the seconds of the three stages after
+training that write no manifest: the cost ledger (`record_ledger`, tasks/ledger.py), MLflow
+logging (`log_iteration`) and the behaviour audit (`audit_iteration`, tasks/audit.py). Those four
+stage tasks are wrapped with a timer as `flows.train` calls them (prepare_data for the start);
+iteration k runs from the start of its prepare_data to the end of its last stage. The ledger's and
+the audit's seconds are also reported as their own share of the iteration's wall time (the audit's
+goal <= 0.05, issue 33); either, missing from flows.train, is reported as skipped.
 
 overhead share = 1 - (generate + train compute) / iteration wall time, over iterations 1..N-1
 (iteration 0 also pays first-call costs: Prefect task registration, MLflow model registry,
-imports); iteration 0's share is in the details. Goal <= 0.10. The share depends on the model
-size: the bigger the policy, the more of the time is compute, so the tiny demo policy is the
-hard case. Prefect's temporary API start (~7 s) and the run's setup (dataset, initial policy,
-MLflow run) happen before iteration 0 and are reported as `setup_seconds`, not in the share.
+imports); iteration 0's share is in the details. Goal <= 0.10. The split of the overhead:
+rollout and train outside generation and compute, the other stages' seconds, and what no stage
+record covers (`outside_stage_records`: Prefect's task runs around the recorded stages, the
+gaps). The share depends on the model size: the bigger the policy, the more of the time is
+compute, so the tiny demo policy is the hard case. Prefect's temporary API start (~7 s) and the
+run's setup (dataset, initial policy, MLflow run) happen before iteration 0 and are reported as
+`setup_seconds`, not in the share.
 """
 
 from __future__ import annotations
@@ -43,11 +51,25 @@ NAME = "overhead"
 TITLE = "Pipeline overhead per iteration"
 GOAL = Goal("share of iteration wall time outside generation and forward/backward/step", "<=", 0.10)
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("prepare_data", "rollout", "label_rewards", "compute_advantages", "train_policy", "log_iteration")
+RUN_ID = "bench-overhead"
+# Stage tasks of flows.train whose times no table records (module docstring); the first starts an iteration.
+TIMED_STAGES = ("prepare_data", "record_ledger", "log_iteration", "audit_iteration")
 # Stages measured as their own share when flows.train has them: (measurement key, task name in flows.train, goal).
 PARTS = (("ledger", "record_ledger", None),
          ("audit", "audit_iteration", Goal("share of iteration wall time in the behaviour audit", "<=", 0.05)))
 QUICK = dict(config="configs/tiny.yaml", iterations=2, prompts=3, group_size=2, max_steps=3, max_new_tokens=12)
+
+# One row per generate call: its steps share the time it returned (`generated_at`) and its seconds.
+GENERATE_SQL = """
+SELECT iteration, sum(seconds) AS seconds, count(*) AS calls FROM (
+    SELECT DISTINCT iteration, generated_at,
+           TRY_CAST(json_extract_string(info, '$.generate_seconds') AS DOUBLE) AS seconds
+    FROM steps WHERE run_id = '{run_id}')
+GROUP BY iteration
+"""
+TRAIN_SQL = "SELECT iteration, sum(seconds) AS seconds, count(*) AS updates FROM train_metrics " \
+            "WHERE run_id = '{run_id}' GROUP BY iteration"
+LEDGER_SQL = "SELECT iteration, stage, wall_seconds FROM ledger WHERE run_id = '{run_id}'"
 
 
 def arguments(argv: list[str] | None):
@@ -62,76 +84,75 @@ def arguments(argv: list[str] | None):
     return parse_args(parser, argv, QUICK)
 
 
-class Timeline:
-    """(kind, iteration or None, start, end) intervals recorded by the wrappers."""
+class StageSpans:
+    """(stage, iteration) -> (start, end) of the TIMED_STAGES as flows.train calls them."""
 
     def __init__(self):
-        self.intervals: list[tuple[str, int | None, float, float]] = []
+        self.spans: dict[tuple[str, int], tuple[float, float]] = {}
 
-    def wrap(self, kind: str, fn, iteration_arg: int | None = None):
-        def timed(*args, **kwargs):
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):  # every stage task takes (run, iteration, ...)
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                k = args[iteration_arg] if iteration_arg is not None and len(args) > iteration_arg else None
-                self.intervals.append((kind, k, started, time.perf_counter()))
+                self.spans[(name, args[1])] = (started, time.perf_counter())
         return timed
 
-    def within(self, kind: str, start: float, end: float) -> float:
-        """Seconds of `kind` intervals inside [start, end] (clipped to it)."""
-        return sum(max(0.0, min(e, end) - max(s, start)) for name, _, s, e in self.intervals if name == kind)
-
-    def stage(self, name: str, k: int) -> tuple[float, float]:
-        found = self.stage_or_none(name, k)
-        if found is None:
-            raise RuntimeError(f"no {name} stage recorded for iteration {k}: did flows/train.py change?")
+    def of(self, k: int) -> dict[str, tuple[float, float]]:
+        found = {name: span for (name, it), span in self.spans.items() if it == k}
+        if "prepare_data" not in found:
+            raise RuntimeError(f"no prepare_data stage recorded for iteration {k}: did flows/train.py change?")
         return found
 
-    def stage_or_none(self, name: str, k: int) -> tuple[float, float] | None:
-        found = [(s, e) for kind, it, s, e in self.intervals if kind == f"stage:{name}" and it == k]
-        return found[0] if found else None
 
-
-def measured_stages() -> tuple[str, ...]:
-    """STAGES plus the PARTS' tasks that flows.train calls (an absent one is reported as skipped)."""
+def timed_stages() -> tuple[str, ...]:
+    """TIMED_STAGES that flows.train calls (an absent PARTS task is reported as skipped)."""
     import flows.train as train_flow
 
-    return STAGES + tuple(task for _, task, _ in PARTS if hasattr(train_flow, task))
+    return tuple(name for name in TIMED_STAGES if hasattr(train_flow, name))
 
 
 @contextmanager
-def instrumented(timeline: Timeline):
-    """Wrap the engine, the trainer's compute and the flow's stage calls for the run's duration."""
-    import agent_core.training.trainer as trainer
+def instrumented(spans: StageSpans):
+    """Time the stage tasks no table records (TIMED_STAGES) for the run's duration."""
     import flows.train as train_flow
-    from agent_core.rollout.hf_engine import HFEngine
 
     with ExitStack() as stack:
-        stack.enter_context(mock.patch.object(HFEngine, "generate", timeline.wrap("generate", HFEngine.generate)))
-        stack.enter_context(mock.patch.object(trainer, "_accumulate_and_step",
-                                              timeline.wrap("train_compute", trainer._accumulate_and_step)))
-        for name in measured_stages():  # every stage task takes (run, iteration, ...)
-            stack.enter_context(mock.patch.object(train_flow, name, timeline.wrap(f"stage:{name}",
-                                                                                  getattr(train_flow, name), 1)))
+        for name in timed_stages():
+            stack.enter_context(mock.patch.object(train_flow, name, spans.wrap(name, getattr(train_flow, name))))
         yield
 
 
-def iteration_breakdown(timeline: Timeline, k: int) -> dict:
-    start, _ = timeline.stage("prepare_data", k)
-    spans = {name: span for name in measured_stages() if (span := timeline.stage_or_none(name, k)) is not None}
-    missing = [name for name in STAGES if name not in spans]
-    if missing:
-        timeline.stage(missing[0], k)  # raises, naming it
-    end = max(e for _, e in spans.values())
+def recorded_seconds(data_root: Path) -> tuple[dict[int, float], dict[int, float], dict[int, dict[str, float]]]:
+    """From the run's tables: generate seconds, train compute seconds and the ledger's stage seconds, by iteration."""
+    from agent_core.io.ledger import ITERATION_STAGES
+    from agent_core.io.query import run_query
+
+    def by_iteration(sql: str) -> dict[int, float]:
+        rows = run_query(data_root, sql.format(run_id=RUN_ID)).to_pylist()
+        return {row["iteration"]: row["seconds"] or 0.0 for row in rows}
+
+    ledger: dict[int, dict[str, float]] = {}
+    for row in run_query(data_root, LEDGER_SQL.format(run_id=RUN_ID)).to_pylist():
+        if row["stage"] in ITERATION_STAGES:  # iteration 0 also books the run's own stages (init_policy, ...)
+            ledger.setdefault(row["iteration"], {})[row["stage"]] = row["wall_seconds"]
+    return by_iteration(GENERATE_SQL), by_iteration(TRAIN_SQL), ledger
+
+
+def iteration_breakdown(k: int, spans: dict[str, tuple[float, float]], generate: float, compute: float,
+                        ledger: dict[str, float]) -> dict:
+    start, end = spans["prepare_data"][0], max(e for _, e in spans.values())
     wall = end - start
-    generate, compute = timeline.within("generate", start, end), timeline.within("train_compute", start, end)
-    stages = {name: e - s for name, (s, e) in spans.items()}
+    missing = [name for name in ("rollout", "train") if name not in ledger]
+    if missing:
+        raise RuntimeError(f"iteration {k}'s ledger has no {missing[0]} row: did agent_core/io/ledger.py change?")
+    stages = {**ledger, **{name: e - s for name, (s, e) in spans.items() if name != "prepare_data"}}
     parts = {  # where the overhead goes
         "rollout_outside_generate": stages["rollout"] - generate,
-        "train_outside_compute": stages["train_policy"] - compute,
-        **{name: seconds for name, seconds in stages.items() if name not in ("rollout", "train_policy")},
-        "between_stages": wall - sum(stages.values()),
+        "train_outside_compute": stages["train"] - compute,
+        **{name: seconds for name, seconds in stages.items() if name not in ("rollout", "train")},
+        "outside_stage_records": wall - sum(stages.values()),
     }
     return {"iteration": k, "wall": wall, "generate": generate, "train_compute": compute,
             "overhead": wall - generate - compute, "share": (wall - generate - compute) / wall,
@@ -194,26 +215,27 @@ def measurement(iterations: list[dict], setup_seconds: float) -> Measurement:
 
 
 def run_flow(args, data_root: Path, progress: Progress):
-    """The training flow on `data_root`, instrumented; returns (per-iteration breakdowns, setup seconds)."""
+    """The training flow on `data_root`; returns (per-iteration breakdowns, setup seconds)."""
     from agent_core.validation import load_config
     from flows.train import train
 
-    overrides = [f"data_root={data_root}", "run_id=bench-overhead", f"iterations={args.iterations}",
+    overrides = [f"data_root={data_root}", f"run_id={RUN_ID}", f"iterations={args.iterations}",
                  "warm_start.enabled=false", "dev_eval.every=0", f"data.prompts_per_iteration={args.prompts}",
                  f"rollout.group_size={args.group_size}", f"rollout.max_steps={args.max_steps}",
                  f"rollout.max_new_tokens={args.max_new_tokens}"]
     config = load_config(REPO_ROOT / args.config, overrides)
-    timeline = Timeline()
+    spans = StageSpans()
     started = time.perf_counter()
-    with instrumented(timeline):
+    with instrumented(spans):
         train(config)
     progress(f"flow finished in {time.perf_counter() - started:.1f}s")
-    first_start, _ = timeline.stage("prepare_data", 0)
-    iterations = [iteration_breakdown(timeline, k) for k in range(args.iterations)]
+    generate, compute, ledger = recorded_seconds(data_root)
+    iterations = [iteration_breakdown(k, spans.of(k), generate.get(k, 0.0), compute.get(k, 0.0), ledger.get(k, {}))
+                  for k in range(args.iterations)]
     for it in iterations:
         progress(f"iteration {it['iteration']}: wall {it['wall']:.2f}s, generate {it['generate']:.2f}s, "
                  f"train compute {it['train_compute']:.2f}s, overhead {it['overhead']:.2f}s ({it['share']:.1%})")
-    return iterations, first_start - started
+    return iterations, spans.of(0)["prepare_data"][0] - started
 
 
 def _stop_prefect_server() -> None:

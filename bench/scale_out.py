@@ -16,7 +16,7 @@ and 2 training workers fit; the machine's cores are what they are, see below):
   start once and are reused; each round runs every arm once (order reversed every other round),
   after one untimed full-size warm-up each, and the median of --repeats rounds is used. Start-up seconds
   of a pool of 1 and of 2 replicas are details.
-- Training. One iteration's training job (tasks/train.py's `_job` on the steps of a small
+- Training. One iteration's training job (tasks/train.py's `train_job` on the steps of a small
   `agentr1 train --config tiny` run, with random advantages so every token carries a gradient)
   run by `run_training` in this process (1 torch thread; 2 threads as a reference) and by a
   TrainerGroup of 2 Ray workers with 1 thread each (gloo; each worker takes half the micro-batches
@@ -39,7 +39,6 @@ import argparse
 import dataclasses
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,13 +48,9 @@ from pathlib import Path
 import torch
 
 from agent_core.cluster.runtime import ClusterSpec, connect, disconnect
-from agent_core.envs.registry import EnvResources, make_env
-from agent_core.envs.search import Bm25Index
-from agent_core.rollout.agent_loop import LoopSettings, run_episodes
-from agent_core.rollout.chat import eos_token_ids
-from agent_core.rollout.engine import SamplingParams
-from agent_core.rollout.engines import ENGINES, EngineOptions
+from agent_core.rollout.engines import EngineOptions
 from bench.common import Measurement, Progress, base_parser, parse_args, skipped_measurement, write_result
+from bench.scale_out_rollout import alternate, median, r3, rollout_part
 from bench.workload import PolicySize, save_policy_dir, synthetic_task, tiny_policy
 
 NAME = "scale_out"
@@ -83,144 +78,6 @@ def arguments(argv: list[str] | None):
                         help="also time the weight sync of 2 vLLM replicas (default on; off with --quick)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task, the weights and the sampling")
     return parse_args(parser, argv, QUICK)
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def r3(value: float) -> float:
-    return round(value, 3)
-
-
-# ---------------------------------------------------------------- rollout
-
-class Rollout:
-    """The rollout workload of tests/test_cluster.py's `_rollout`, at the benchmark's sizes."""
-
-    def __init__(self, task, tokenizer, args):
-        self.task, self.tokenizer, self.args = task, tokenizer, args
-        self.resources = EnvResources(search_index=Bm25Index(task.documents))
-        self.sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed,
-                                       stop_token_ids=eos_token_ids(tokenizer))
-
-    def run(self, engine, *, prompts: int, group_size: int, max_steps: int, prefix: str = "bench-") -> dict:
-        settings = LoopSettings(group_size=group_size, max_steps=max_steps, max_context_tokens=2048,
-                                policy_version=0, episode_prefix=prefix, straggler_wait_s=float("inf"))
-        started = time.perf_counter()
-        steps = run_episodes(engine, self.tokenizer, self.task.prompts[:prompts],
-                             lambda p: make_env(p.env_name, p.env_kwargs, self.resources), self.sampling, settings)
-        seconds = time.perf_counter() - started
-        tokens = sum(len(s.response_ids) for s in steps)
-        return {"seconds": seconds, "tokens": tokens, "steps": len(steps), "tokens_per_s": tokens / seconds,
-                "served_by": sorted({s.served_by for s in steps if getattr(s, "served_by", None)}),
-                "ids": [tuple(s.response_ids) for s in steps]}
-
-    def timed(self, engine) -> dict:
-        a = self.args
-        return self.run(engine, prompts=a.prompts, group_size=a.group_size, max_steps=a.max_steps)
-
-    def warm_up(self, engine) -> None:
-        """One untimed rollout of the timed size (allocator, kernels, the replicas' first calls)."""
-        a = self.args
-        self.run(engine, prompts=a.prompts, group_size=a.group_size, max_steps=a.max_steps, prefix="warmup-")
-
-
-class InProcess:
-    """The in-process hf engine with `threads` torch threads while it generates."""
-
-    def __init__(self, engine, threads: int):
-        self.engine, self.threads = engine, threads
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def generate(self, prompts, params):
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            return self.engine.generate(prompts, params)
-        finally:
-            torch.set_num_threads(before)
-
-
-def alternate(arms: dict, rounds: int, run_arm, progress: Progress, what: str) -> dict[str, list[dict]]:
-    """Every arm once per round, the order reversed every other round; arm name -> its rounds."""
-    out: dict[str, list[dict]] = {name: [] for name in arms}
-    names = list(arms)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            result = run_arm(arms[name])
-            out[name].append(result)
-            progress(f"{what} round {r + 1}/{rounds} {name}: {result['summary']}")
-    return out
-
-
-def rollout_part(policy_dir: Path, task, tokenizer, args, progress: Progress, pools: dict) -> tuple[list, dict]:
-    """The four rollout arms; (measurements, pool of 2 replicas' start seconds)."""
-    from agent_core.cluster.replicas import ReplicaPool, ReplicaSpec
-    from agent_core.cluster.router import ReplicaRouter
-
-    options = EngineOptions(max_batch_size=args.max_batch_size)
-    rollout = Rollout(task, tokenizer, args)
-    start_seconds = {}
-    for count in (1, 2):
-        progress(f"starting a pool of {count} hf replica(s)")
-        started = time.perf_counter()
-        spec = ReplicaSpec(engine="hf", options=options, count=count, cpus=1, threads=1, sync_timeout_s=300)
-        pools[f"hf{count}"] = ReplicaPool(spec, str(policy_dir), 0)
-        start_seconds[count] = time.perf_counter() - started
-        progress(f"pool of {count} started in {start_seconds[count]:.1f}s")
-    engine = ENGINES.get("hf")(policy_dir, options)
-    arms = {
-        "1 replica": ReplicaRouter(pools["hf1"], generate_timeout_s=300),
-        "2 replicas": ReplicaRouter(pools["hf2"], generate_timeout_s=300),
-        "in-process 1 thread": InProcess(engine, 1),
-        "in-process 2 threads": InProcess(engine, 2),
-    }
-    for name, arm in arms.items():
-        rollout.warm_up(arm)
-    progress("rollout warm-ups done")
-
-    def run_arm(arm) -> dict:
-        result = rollout.timed(arm)
-        result["summary"] = (f"{result['steps']} steps, {result['tokens']} tokens in {result['seconds']:.2f}s "
-                             f"({result['tokens_per_s']:.1f} tok/s)")
-        return result
-
-    rounds = alternate(arms, args.repeats, run_arm, progress, "rollout")
-    tps = {name: median([r["tokens_per_s"] for r in rs]) for name, rs in rounds.items()}
-    reference = sorted(rounds["in-process 1 thread"][0]["ids"])
-    same = all(sorted(r["ids"]) == reference for rs in rounds.values() for r in rs)
-    first = rounds["1 replica"][0]
-    common = {"episodes": args.prompts * args.group_size, "steps": first["steps"], "tokens": first["tokens"],
-              "same_tokens": same}
-    arm_details = {
-        name: {"median_tokens_per_s": round(tps[name], 1),
-               "median_seconds": r3(median([r["seconds"] for r in rs])),
-               "tokens_per_s": [round(r["tokens_per_s"], 1) for r in rs],
-               **({"served_by": rs[0]["served_by"]} if rs[0]["served_by"] else {})}
-        for name, rs in rounds.items()}
-    starts = {"pool_start_seconds_1_replica": r3(start_seconds[1]),
-              "pool_start_seconds_2_replicas": r3(start_seconds[2])}
-    one, two = tps["1 replica"], tps["2 replicas"]
-    inproc1, inproc2 = tps["in-process 1 thread"], tps["in-process 2 threads"]
-    measurements = [
-        Measurement("rollout_replicas", two / one, None, {
-            "ratio_is": "tokens/s with 2 hf replicas (1 thread each) / with 1 hf replica (1 thread), same rollout",
-            **common, "1 replica": arm_details["1 replica"], "2 replicas": arm_details["2 replicas"], **starts}),
-        Measurement("rollout_ray_overhead", one / inproc1, None, {
-            "ratio_is": "tokens/s with 1 hf replica behind the router / in-process hf engine, both 1 thread",
-            **common, "1 replica": arm_details["1 replica"],
-            "in-process 1 thread": arm_details["in-process 1 thread"]}),
-        Measurement("rollout_replicas_vs_threads", two / inproc2, None, {
-            "ratio_is": "tokens/s with 2 hf replicas (1 thread each) / in-process hf engine with 2 threads",
-            **common, "2 replicas": arm_details["2 replicas"],
-            "in-process 2 threads": arm_details["in-process 2 threads"],
-            "in-process 2 threads / 1 thread": r3(inproc2 / inproc1)}),
-    ]
-    return measurements, {"rollout_seconds_2_replicas": median([r["seconds"] for r in rounds["2 replicas"]]),
-                          "start_seconds": start_seconds}
 
 
 # ---------------------------------------------------------------- weight sync
@@ -263,13 +120,14 @@ def sync_measurement(key: str, engine: str, seconds: list[float], start_seconds:
 
 def vllm_sync_part(policies: tuple[Path, Path], args, progress: Progress, pools: dict) -> Measurement:
     from agent_core.cluster.replicas import ReplicaPool, ReplicaSpec
-    from agent_core.rollout.vllm_server import VLLMOptions, vllm_python
+    from agent_core.config import VLLMConfig
+    from agent_core.rollout.vllm_server import vllm_python
 
     if not args.vllm:
         return skipped_measurement("sync_vllm", None, "not measured under --quick / --no-vllm (a vLLM pool takes "
                                                       "about a minute to start on 2 cores)")
     try:
-        vllm_python(VLLMOptions())
+        vllm_python(VLLMConfig())
     except Exception as error:
         return skipped_measurement("sync_vllm", None, f"{type(error).__name__}: {error}"[:500])
     spec = ReplicaSpec(engine="vllm", options=EngineOptions(max_batch_size=16, max_model_len=512), count=2,
@@ -314,11 +172,11 @@ def training_job(data_root: Path, out: Path, args):
     from agent_core.config import AlgorithmConfig, TrainerConfig
     from agent_core.io.layout import DataRoot
     from agent_core.io.tables import write_table
-    from tasks.train import _job as task_job
+    from tasks.train import train_job
 
     run = DataRoot(data_root).run(RUN_ID)
     trainer = TrainerConfig(mini_batches=1, lr=3e-4, loss_agg_mode="token-mean", epochs=args.train_epochs)
-    job = task_job(run, 0, run.table_uri(0, "steps"), run.table_uri(0, "advantages"), str(run.initial_policy_dir),
+    job = train_job(run, 0, run.table_uri(0, "steps"), run.table_uri(0, "advantages"), str(run.initial_policy_dir),
                    trainer, AlgorithmConfig(), 1.0, 1, background_save=False)
     table = pq.read_table(job.advantages_uri)
     generator = torch.Generator().manual_seed(0)

@@ -215,8 +215,9 @@ def render() -> str:
     ]
     for section in every:
         lines += _section_lines(section)
-    lines += ["## Moved keys", "", "An old config that sets one of these keys fails at load time, naming its new "
-              "place.", "", "| old key | now |", "|---|---|"]
+    lines += ["## Moved keys", "", "An old config that sets one of these keys still loads: the value is read as "
+              "its new key, with a warning naming the new place; setting both the old and the new key is an "
+              "error.", "", "| old key | now |", "|---|---|"]
     lines += [f"| `{old}` | `{new}` |" for old, new in sorted(MOVED_KEYS.items())]
     return "\n".join(lines) + "\n"
 

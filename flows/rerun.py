@@ -51,6 +51,7 @@ def _rerun(run: RunLayout, config: PipelineConfig, iteration: int, stage: str) -
         "train": lambda: train_policy(run, k, table("steps"), table("advantages"), str(run.policy_dir_before(k)),
                                       config.trainer, config.algorithm, config.rollout.temperature,
                                       config.iterations * config.trainer.epochs * config.trainer.mini_batches,
-                                      resume=False, lora=config.policy.lora, device=config.device),
+                                      resume=False, lora=config.policy.lora, device=config.device,
+                                      critic=config.critic, runtime=config.runtime),
     }
     return stages[stage]()

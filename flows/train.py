@@ -1,7 +1,7 @@
 """The training flow: prepare data, then N iterations of rollout -> rewards -> advantages -> train.
 
 Reads top to bottom like the pipeline diagram in docs/architecture.md §1. Stages pass table URIs only.
-With `trainer.max_staleness >= 1` iteration k trains while iteration k+1 rolls out with the newest
+With `runtime.max_staleness >= 1` iteration k trains while iteration k+1 rolls out with the newest
 finished policy (one version behind); with `cluster.address` set the rollout and training stages
 run on Ray (docs/scale-out.md). The recipe is the same either way.
 """
@@ -121,7 +121,7 @@ def _train(run: RunLayout, config: PipelineConfig, resources: RunResources) -> T
     total_steps = config.iterations * config.trainer.epochs * config.trainer.mini_batches
 
     reports, audits = [], []
-    overlap = config.trainer.max_staleness >= 1  # rollout k+1 runs while iteration k trains
+    overlap = config.runtime.max_staleness >= 1  # rollout k+1 runs while iteration k trains
     version, training = 0, None  # the version policy_dir holds; the training still running, if any
     for k in range(config.iterations):
         if any(audit.stop for audit in audits):  # audit.on_alert: stop (with overlap, the training under way finishes)
@@ -140,10 +140,11 @@ def _train(run: RunLayout, config: PipelineConfig, resources: RunResources) -> T
                       config.rollout.temperature, total_steps)
         if overlap:  # the next rollout starts now, with policy_dir (this training's result comes later)
             training = train_policy.submit(*train_args, cluster=config.cluster, device=device,
-                                           lora=config.policy.lora)
+                                           lora=config.policy.lora, critic=config.critic, runtime=config.runtime)
         else:
             policy_dir, version = _finish_iteration(run, k, train_policy(*train_args, cluster=config.cluster,
-                                                                         device=device, lora=config.policy.lora),
+                                                                         device=device, lora=config.policy.lora,
+                                                                         critic=config.critic, runtime=config.runtime),
                                                     dataset, config, eval_settings, tracking, reports, audits)
     if training is not None:
         policy_dir, version = _finish_iteration(run, config.iterations - 1, training.result(), dataset, config,

@@ -21,7 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
-from agent_core.config import ClusterConfig, RewardConfig, RolloutConfig, VLLMConfig
+from agent_core.config import ClusterConfig, RewardConfig, RolloutConfig
 from agent_core.data.rows import prompts_from_table, row_to_document
 from agent_core.envs.agent_program import ENV_NAME as PROGRAM_ENV, ProgramSpec
 from agent_core.envs.registry import EnvResources, make_env
@@ -38,7 +38,6 @@ from agent_core.rollout.agent_loop import RolloutTimings, run_episodes
 from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
 from agent_core.rollout.engines import ENGINES, EngineOptions
 from agent_core.rollout.spec import RolloutSpec, env_for
-from agent_core.rollout.vllm_server import VLLMOptions
 from agent_core.types import Document, Prompt
 
 # Stages skip or redo work by their manifests (`completed_outputs`), not through Prefect's result
@@ -135,14 +134,9 @@ def split_prompts(dataset: DatasetUris, split: str, limit: int | None = None) ->
 # ---- rollout: the config's envs and engine (the rollout stage, the warm start's oracle episodes) ----
 
 
-def vllm_options(cfg: VLLMConfig) -> VLLMOptions:
-    """The vLLM server options of the config (the config layer does not know the rollout's types)."""
-    return VLLMOptions(**cfg.model_dump())
-
-
 def engine_options(cfg: RolloutConfig, device: str = "auto") -> EngineOptions:
     return EngineOptions(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_context_tokens,
-                         vllm=vllm_options(cfg.vllm), device=device)
+                         vllm=cfg.vllm, device=device)
 
 
 def on_cluster(cluster: ClusterConfig | None) -> bool:

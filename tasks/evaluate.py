@@ -32,7 +32,6 @@ from tasks._common import (
     stage_logger,
     stage_progress,
     stage_task,
-    vllm_options,
 )
 
 EVAL_EXPERIMENT = "agentr1-eval"
@@ -79,7 +78,7 @@ def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float |
         max_context_tokens=rollout.max_context_tokens, top_k=config.data.top_k,
         tool_format=rollout.env_kwargs.get("tool_format", "tag"),
         instructions=rollout.instructions, engine=rollout.engine,
-        max_batch_size=rollout.max_batch_size, vllm=vllm_options(rollout.vllm), device=config.device,
+        max_batch_size=rollout.max_batch_size, vllm=rollout.vllm, device=config.device,
         rollout=rollout, scorer=config.reward.scorer,
     )
 
@@ -159,9 +158,9 @@ def settings_params(settings: EvalSettings) -> dict:
     """The settings as flat MLflow params (the seed varies per table and is logged separately)."""
     flat = {}
     for key, value in dataclasses.asdict(settings).items():
-        if hasattr(value, "model_dump"):  # the run's rollout section: settings.rollout.<field>
+        if hasattr(value, "model_dump"):  # a config section (rollout, vllm): settings.<key>.<field>
             value = value.model_dump(mode="json")
-        if isinstance(value, dict):  # vllm options: settings.vllm.<field>
+        if isinstance(value, dict):
             flat.update({f"settings.{key}.{k}": v for k, v in value.items()})
         elif key != "seed":
             flat[f"settings.{key}"] = value

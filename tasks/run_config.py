@@ -22,7 +22,7 @@ from tasks._common import stage_logger, stage_task
 def writing_run(run: RunLayout) -> Iterator[RunLayout]:
     """Hold the run's lock while the block writes into it (a second writer fails at once, naming the
     first one's pid), after removing what a killed earlier writer left half-written, and until the
-    block's background writes (trainer.background_save) are done too."""
+    block's background writes (runtime.background_save) are done too."""
     with run_lock(run.lock_path, run.run_id):
         removed = sweep_temporaries(run.run_dir)
         if removed:
@@ -51,7 +51,7 @@ class RunEnd:
 def recording_end(run: RunLayout) -> Iterator[RunEnd]:
     """Record how the block ended in the run's status: finished, or failed with its error (`agentr1
     runs` shows it); a process killed inside the block records nothing, which reads as killed. Writes
-    still running on the background thread (trainer.background_save) belong to the run: they finish first.
+    still running on the background thread (runtime.background_save) belong to the run: they finish first.
     A finished run that the block fails on without committing a stage stays finished (io/run_status.py)."""
     committed_before = commits_made()
     end = RunEnd()

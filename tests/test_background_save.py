@@ -1,4 +1,4 @@
-"""trainer.background_save: the optimizer state and the train stage's manifest are written on the
+"""runtime.background_save: the optimizer state and the train stage's manifest are written on the
 writer thread (agent_core/io/background.py) while the flow goes on; the same files as a synchronous
 save, the stage committed only after them, a failed write never committed and always reported.
 Tiny real Llamas on real tables (the helpers of test_resident_policy)."""

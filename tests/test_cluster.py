@@ -250,17 +250,18 @@ def _readable(path: Path) -> bool:
 
 @pytest.mark.vllm
 def test_two_vllm_replicas_serve_reload_and_stop_their_servers(ray_cluster, task, vllm_checkpoints):
-    from agent_core.rollout.vllm_server import VLLMNotInstalledError, VLLMOptions, vllm_python
+    from agent_core.config import VLLMConfig
+    from agent_core.rollout.vllm_server import VLLMNotInstalledError, vllm_python
 
     try:
-        vllm_python(VLLMOptions())
+        vllm_python(VLLMConfig())
     except VLLMNotInstalledError as error:
         pytest.fail(str(error))  # the slow suite builds .venv-vllm: never skip silently
     tokenizer = task[1]
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in ("Who directed", "Where was", "The film", "Doc")]
     expected = [_greedy(ENGINES.get("hf")(Path(folder), OPTIONS), prompts) for folder in vllm_checkpoints]
     before = set(_vllm_processes())
-    spec = ReplicaSpec(engine="vllm", options=replace(OPTIONS, vllm=replace(OPTIONS.vllm, max_concurrent_calls=2)),
+    spec = ReplicaSpec(engine="vllm", options=replace(OPTIONS, vllm=OPTIONS.vllm.model_copy(update={"max_concurrent_calls": 2})),
                        count=2, cpus=1.0, sync_timeout_s=120)
     pool = ReplicaPool(spec, vllm_checkpoints[0], 0)
     try:

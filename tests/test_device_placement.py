@@ -224,7 +224,7 @@ def test_without_a_lender_the_engine_loads_its_own_copy(tmp_path, policy_dir):
 
 
 def test_a_lent_module_is_never_trained_and_a_taken_one_never_lent(tmp_path, policy_dir, monkeypatch):
-    """A rollout overlapping training (trainer.max_staleness >= 1): whichever comes first keeps the
+    """A rollout overlapping training (runtime.max_staleness >= 1): whichever comes first keeps the
     module, the other loads the checkpoint; nothing is trained while an engine generates with it."""
     run = RunLayout(tmp_path, "r1")
     for k in (0, 1, 2):

@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from agent_core.config import VLLMConfig
 from agent_core.io.checkpoints import save_policy
 from agent_core.rollout.chat import encode_conversation, eos_token_ids
 from agent_core.rollout.engine import FINISH_REASONS, SamplingParams, concurrent_calls
 from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
-from agent_core.rollout.vllm_server import VLLMNotInstalledError, VLLMOptions, VLLMServerError, vllm_python
+from agent_core.rollout.vllm_server import VLLMNotInstalledError, VLLMServerError, vllm_python
 from agent_core.training.model import build_tiny_policy, build_tokenizer
 from agent_core.training.scoring import score_logprobs
 from agent_core.types import ChatMessage
@@ -40,7 +41,7 @@ MAX_LEN = 256
 
 def _vllm_missing() -> str | None:
     try:
-        vllm_python(VLLMOptions())
+        vllm_python(VLLMConfig())
     except VLLMNotInstalledError as error:
         return str(error)
     return None
@@ -162,7 +163,7 @@ def test_trainer_recomputed_logprobs_match_the_engines(engine, prompts, referenc
 
 
 def test_missing_vllm_virtualenv_names_the_command_to_run(tmp_path, checkpoint):
-    options = EngineOptions(vllm=VLLMOptions(python=str(tmp_path / "no-venv" / "bin" / "python")))
+    options = EngineOptions(vllm=VLLMConfig(python=str(tmp_path / "no-venv" / "bin" / "python")))
     with pytest.raises(VLLMNotInstalledError, match="make vllm"):
         ENGINES.get("vllm")(checkpoint, options)
 

@@ -254,3 +254,17 @@ def test_the_cycle_finder_finds_function_level_cycles(tmp_path):
     assert strongly_connected_components(graph) == [["pkg.a", "pkg.sub.b"]]
     text = "\n".join(describe_cycles(graph))
     assert "l.4 function-level" in text and "l.3 TYPE_CHECKING" in text and "pkg.c" not in text
+
+
+def test_a_run_without_a_cluster_never_imports_ray():
+    """docs/architecture.md: agent_core/cluster (and Ray with it) is imported only when `cluster.address`
+    is set. Importing the training flow and the CLI must not load it (a fresh interpreter: this test
+    process may have imported it for other tests)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flows.train, flows.cli, flows.rerun; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'agent_core.cluster'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

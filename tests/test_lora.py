@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from agent_core.config import AlgorithmConfig, PolicyConfig, PolicyLoraConfig, TrainerConfig
+from agent_core.config import AlgorithmConfig, PolicyConfig, PolicyLoraConfig, RuntimeConfig, TrainerConfig
 from agent_core.io import background
 from agent_core.io.checkpoints import CheckpointError, check_checkpoint, load_policy, load_tokenizer, save_policy
 from agent_core.io.layout import RunLayout
@@ -200,12 +200,13 @@ def _tables(run: RunLayout, k: int) -> None:
 def test_the_train_stage_writes_adapter_checkpoints_and_continues_them(base_dir, tmp_path, keep):
     run = RunLayout(tmp_path, "r1")
     shutil.copytree(base_dir, run.initial_policy_dir)
-    cfg = TrainerConfig(micro_batch_tokens=64, mini_batches=2, epochs=1, lr=1e-2, keep_policy_in_memory=keep)
+    cfg = TrainerConfig(micro_batch_tokens=64, mini_batches=2, epochs=1, lr=1e-2)
     policy = str(run.initial_policy_dir)
     for k in range(2):
         _tables(run, k)
         policy = train_policy.fn(run, k, run.table_uri(k, "steps"), run.table_uri(k, "advantages"), policy, cfg,
-                                 AlgorithmConfig(estimator="grpo"), 1.0, lora=LORA)
+                                 AlgorithmConfig(estimator="grpo"), 1.0, lora=LORA,
+                                 runtime=RuntimeConfig(keep_policy_in_memory=keep))
         background.wait()
         assert is_lora_checkpoint(policy) and lora_base_dir(policy) == run.initial_policy_dir.resolve()
     first, second = (load_file(str(run.checkpoint_dir(k) / ADAPTER_WEIGHTS)) for k in (0, 1))

@@ -194,7 +194,7 @@ def _train(run: RunLayout, policy: Path, iteration: int = 0, **trainer) -> str:
     checkpoint = train_policy.fn(run, iteration, run.table_uri(iteration, "steps"),
                                  run.table_uri(iteration, "advantages"), str(policy), cfg,
                                  AlgorithmConfig(estimator="grpo"), 1.0)
-    background.wait()  # the optimizer state (trainer.background_save), which the checks below read
+    background.wait()  # the optimizer state (runtime.background_save), which the checks below read
     return checkpoint
 
 

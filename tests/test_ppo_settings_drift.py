@@ -23,7 +23,7 @@ MIRRORED: dict[str, tuple[str, Any]] = {
     "entropy_coef": ("trainer.entropy_coef", 0.01),
     "kl_coef": ("algorithm.kl_coef", 0.05),
     "kl_estimator": ("algorithm.kl_estimator", "k1"),
-    "value_clip": ("trainer.value_clip", 0.5),
+    "value_clip": ("critic.value_clip", 0.5),
     "max_grad_norm": ("trainer.max_grad_norm", 0.5),
     "micro_batch_tokens": ("trainer.micro_batch_tokens", 512),
     "max_logit_elements": ("trainer.micro_batch_logits", 2**20),
@@ -48,7 +48,7 @@ def _config_value(config: PipelineConfig, key: str) -> Any:
 
 
 def _from(config: PipelineConfig) -> PPOSettings:
-    return PPOSettings.from_config(config.trainer, config.algorithm, config.rollout.temperature)
+    return PPOSettings.from_config(config.trainer, config.algorithm, config.rollout.temperature, config.critic)
 
 
 def test_every_field_is_mirrored_or_declared_configless():

@@ -1,4 +1,4 @@
-"""The policy, critic and optimizers kept in memory between iterations (trainer.keep_policy_in_memory,
+"""The policy, critic and optimizers kept in memory between iterations (runtime.keep_policy_in_memory,
 agent_core/training/resident.py): the same parameters and optimizer state as reloading the files
 every iteration, no reload where the previous iteration saved the inputs, and a reload whenever the
 files, the settings or a failure say the kept objects may differ. Tiny real Llamas on real tables."""
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import agent_core.training.iteration as iteration
-from agent_core.config import AlgorithmConfig, TrainerConfig
+from agent_core.config import AlgorithmConfig, RuntimeConfig, TrainerConfig
 from agent_core.io import background
 from agent_core.io.checkpoints import load_policy, save_policy
 from agent_core.io.layout import RunLayout
@@ -69,12 +69,13 @@ def _tables(run: RunLayout, k: int, estimator: str) -> None:
          "obs_values": None, "estimator": estimator} for s in steps], run.table_uri(k, "advantages"))
 
 
-def _train(run: RunLayout, k: int, policy: Path, estimator: str, keep: bool, settle: bool = True, **trainer) -> str:
-    """The train stage of iteration k; with `settle`, also its background writes (trainer.background_save)."""
-    cfg = TrainerConfig(**{"micro_batch_tokens": 64, "mini_batches": 2, "epochs": 1, "lr": 1e-2,
-                           "keep_policy_in_memory": keep, **trainer})
+def _train(run: RunLayout, k: int, policy: Path, estimator: str, keep: bool, settle: bool = True,
+           background_save: bool = True, **trainer) -> str:
+    """The train stage of iteration k; with `settle`, also its background writes (runtime.background_save)."""
+    cfg = TrainerConfig(**{"micro_batch_tokens": 64, "mini_batches": 2, "epochs": 1, "lr": 1e-2, **trainer})
+    runtime = RuntimeConfig(keep_policy_in_memory=keep, background_save=background_save)
     checkpoint = train_policy.fn(run, k, run.table_uri(k, "steps"), run.table_uri(k, "advantages"), str(policy), cfg,
-                                 AlgorithmConfig(estimator=estimator), 1.0)
+                                 AlgorithmConfig(estimator=estimator), 1.0, runtime=runtime)
     if settle:
         background.wait()
     return checkpoint

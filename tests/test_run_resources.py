@@ -119,7 +119,7 @@ def test_the_writers_last_job_finishes_before_the_policy_is_dropped(calls):
 
 
 def test_without_the_resident_policy_or_in_a_cluster_nothing_is_lent(calls):
-    for config in (PipelineConfig(trainer={"keep_policy_in_memory": False}), _config(address="local")):
+    for config in (PipelineConfig(runtime={"keep_policy_in_memory": False}), _config(address="local")):
         with RunResources(config) as resources:
             assert not resources.colocated and engines._lender is None
 

@@ -64,7 +64,7 @@ def cluster_run(tmp_path_factory):
     env = {**os.environ, "AGENTR1_RAY_TEMP_DIR": temp_dir, "AGENTR1_TEST_MARKER": marker, "RAY_AUTH_MODE": "disabled"}
     overrides = ["cluster.address=local", "cluster.num_cpus=2", "cluster.rollout_replicas=2", "cluster.replica_cpus=0.5",
                  "cluster.worker_cpus=0.5",
-                 "cluster.trainer_workers=2", "iterations=3", "trainer.max_staleness=1", "trainer.epochs=30",
+                 "cluster.trainer_workers=2", "iterations=3", "runtime.max_staleness=1", "trainer.epochs=30",
                  "dev_eval.every=0"]
     command = [AGENTR1, "train", "--config", "tiny", "--data-root", str(data_root), "--run-id", RUN_ID]
     for item in overrides:
@@ -120,7 +120,7 @@ def test_stale_steps_beyond_the_cap_are_refused(cluster_run):
     uri = DataRoot(data_root).run(RUN_ID).table_uri(2, "steps")
     assert check_staleness(uri, 2, max_staleness=1) == 1
     with pytest.raises(StaleStepsError, match=r"18 of 18 steps come from policy version 1, 1 behind; "
-                                              r"trainer.max_staleness=0"):
+                                              r"runtime.max_staleness=0"):
         check_staleness(uri, 2, max_staleness=0)
     assert check_staleness(uri, 1, max_staleness=0) == 0
 
@@ -153,12 +153,12 @@ def test_training_on_stale_steps_uses_their_stored_behaviour_logprobs(cluster_ru
 def _job(run, iteration: int, out: Path, agg_mode: str) -> TrainJob:
     """The run's training job of `iteration` (tiny's trainer settings), writing under `out`."""
     from agent_core.config import AlgorithmConfig, TrainerConfig
-    from tasks.train import _job as task_job
+    from tasks.train import train_job
 
     policy = run.initial_policy_dir if iteration == 0 else run.checkpoint_dir(iteration - 1)
-    trainer = TrainerConfig(mini_batches=1, lr=3e-4, loss_agg_mode=agg_mode, max_staleness=1)
-    job = task_job(run, iteration, run.table_uri(iteration, "steps"), run.table_uri(iteration, "advantages"),
-                   str(policy), trainer, AlgorithmConfig(), 1.0, 1, background_save=False)
+    trainer = TrainerConfig(mini_batches=1, lr=3e-4, loss_agg_mode=agg_mode)
+    job = train_job(run, iteration, run.table_uri(iteration, "steps"), run.table_uri(iteration, "advantages"),
+                    str(policy), trainer, AlgorithmConfig(), 1.0, 1)
     return dataclasses.replace(job, checkpoint_dir=str(out / "checkpoint"), optimizer_out=str(out / "optimizer.pt"))
 
 
@@ -207,7 +207,7 @@ def test_staleness_one_overlaps_rollout_and_training_without_a_cluster_too(tmp_p
     """The overlap is the flow's (a Prefect task submitted to its thread pool), not Ray's."""
     data_root = tmp_path / "data"
     command = [AGENTR1, "train", "--config", "tiny", "--data-root", str(data_root), "--run-id", RUN_ID,
-               "--set", "iterations=3", "--set", "trainer.max_staleness=1", "--set", "trainer.epochs=30",
+               "--set", "iterations=3", "--set", "runtime.max_staleness=1", "--set", "trainer.epochs=30",
                "--set", "dev_eval.every=0"]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -57,7 +57,7 @@ def test_steps_older_than_the_staleness_cap_are_refused(tmp_path):
     uri = _steps(tmp_path, iteration=3, versions=[2, 2, 2, 1, 1, 1])  # one episode per version
     assert check_staleness(uri, 3, max_staleness=2) == 2
     with pytest.raises(StaleStepsError, match=r"iteration 3: 3 of 6 steps come from policy version 1, 2 behind; "
-                                              r"trainer.max_staleness=1 refuses"):
+                                              r"runtime.max_staleness=1 refuses"):
         check_staleness(uri, 3, max_staleness=1)
     on_policy = _steps(tmp_path, iteration=3, versions=[3])
     assert check_staleness(on_policy, 3, max_staleness=0) == 0

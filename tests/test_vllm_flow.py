@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from agent_core.config import VLLMConfig
 from agent_core.io.layout import DataRoot
 from agent_core.io.tables import read_table
-from agent_core.rollout.vllm_server import VLLMNotInstalledError, VLLMOptions, vllm_python
+from agent_core.rollout.vllm_server import VLLMNotInstalledError, vllm_python
 from agent_core.validation import load_config
 from flows.train import train
 
@@ -26,7 +27,7 @@ def test_training_with_the_vllm_engine_reloads_weights_in_place_and_stops_the_se
     from agent_core.rollout.vllm_engine import server_stats
 
     try:
-        vllm_python(VLLMOptions())
+        vllm_python(VLLMConfig())
     except VLLMNotInstalledError as error:
         pytest.fail(str(error))  # the slow suite promises this runs (CI runs `make vllm` first)
     config = load_config(REPO_ROOT / "configs" / "tiny.yaml", [

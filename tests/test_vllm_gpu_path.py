@@ -13,7 +13,6 @@ what vLLM does on /sleep and /wake_up there is taken from its source, not measur
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from agent_core.rollout import vllm_engine, vllm_server
 from agent_core.rollout.engine import SamplingParams
 from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 from agent_core.rollout.vllm_checkpoints import LoraCheckpointError, lora_checkpoint, vllm_lora_rank
-from agent_core.rollout.vllm_server import VLLMOptions, VLLMServer
+from agent_core.rollout.vllm_server import VLLMServer
 from agent_core.training.model import build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +77,7 @@ def fake_vllm(tmp_path, monkeypatch):
 
 
 def _options(**overrides) -> EngineOptions:
-    vllm = VLLMOptions(python=sys.executable, startup_timeout_s=30, **overrides)
+    vllm = VLLMConfig(python=sys.executable, startup_timeout_s=30, **overrides)
     return EngineOptions(max_batch_size=8, max_model_len=256, vllm=vllm)
 
 
@@ -222,22 +221,14 @@ def test_lora_checkpoints_are_recognised_by_their_adapter_config(tmp_path, token
 
 
 def test_a_gpu_command_line_carries_the_memory_share_sleep_and_lora_flags(tmp_path):
-    server = VLLMServer(tmp_path, 1024, VLLMOptions(gpu_memory_utilization=0.8), lora_rank=32, on_cpu=False)
+    server = VLLMServer(tmp_path, 1024, VLLMConfig(gpu_memory_utilization=0.8), lora_rank=32, on_cpu=False)
     command = server.command(Path("python"), on_cpu=False)
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.8"
     assert "--enable-sleep-mode" in command and command[command.index("--max-lora-rank") + 1] == "32"
     assert server.sleeps_between_rollouts and server._environment()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
-    plain = VLLMServer(tmp_path, 1024, VLLMOptions(), on_cpu=True)
+    plain = VLLMServer(tmp_path, 1024, VLLMConfig(), on_cpu=True)
     assert "--enable-lora" not in plain.command(Path("python"), on_cpu=True)
     assert not plain.sleeps_between_rollouts and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain._environment()
-
-
-def test_the_config_and_the_server_options_have_the_same_fields_and_defaults():
-    """VLLMConfig (the config layer) and VLLMOptions (the rollout layer) hold the same settings:
-    tasks/_common.vllm_options passes one to the other field by field."""
-    config = VLLMConfig()
-    options = {f.name: f.default for f in dataclasses.fields(VLLMOptions)}
-    assert options == config.model_dump()
 
 
 def _adapted(base: Path, directory: Path, seed: int) -> Path:
@@ -279,7 +270,7 @@ def test_the_real_cpu_server_serves_each_lora_version_as_transformers_computes_i
 
     tokenizer = load_tokenizer(base)
     prompts = [encode_conversation(tokenizer, [ChatMessage("user", q)]) for q in QUESTIONS]
-    options = EngineOptions(max_batch_size=8, max_model_len=MAX_LEN, vllm=VLLMOptions(sleep_mode="always"))
+    options = EngineOptions(max_batch_size=8, max_model_len=MAX_LEN, vllm=VLLMConfig(sleep_mode="always"))
     vllm_engine.shutdown_servers()
     try:
         outputs = []

@@ -3,7 +3,7 @@ tests/test_vllm_gpu_path.py the sleep that replaces the stop on a GPU."""
 
 from __future__ import annotations
 
-from agent_core.rollout.vllm_server import VLLMOptions
+from agent_core.config import VLLMConfig
 
 
 def test_an_engine_whose_server_is_kept_leaves_it_in_the_pool_and_one_that_is_not_stops_it():
@@ -14,7 +14,7 @@ def test_an_engine_whose_server_is_kept_leaves_it_in_the_pool_and_one_that_is_no
         port, stopped, users, asleep = 0, 0, 0, False
 
         def __init__(self, keep: bool):
-            self.options = VLLMOptions(keep_server=keep)
+            self.options = VLLMConfig(keep_server=keep)
 
         def stop(self):
             self.stopped += 1
@@ -38,7 +38,7 @@ def test_a_server_that_is_not_kept_is_stopped_only_when_its_last_engine_closes()
 
     class StandIn:
         port, stopped, users, asleep = 0, 0, 0, False
-        options = VLLMOptions(keep_server=False)
+        options = VLLMConfig(keep_server=False)
 
         def stop(self):
             self.stopped += 1

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from agent_core.config import VLLMConfig
 from agent_core.config_errors import ConfigError
-from agent_core.rollout.vllm_server import VLLMOptions, VLLMServer, kv_cache_bytes
+from agent_core.rollout.vllm_server import VLLMServer, kv_cache_bytes
 from agent_core.validation import build_config
 
 
@@ -19,7 +20,7 @@ def _flag(command: list[str], name: str) -> str:
 def test_a_fractional_kv_cache_reaches_the_cpu_server_in_bytes_and_the_legacy_variable_cannot_override_it(
         tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # vLLM's CPU platform would apply it over the flag
-    server = VLLMServer(tmp_path, 1024, VLLMOptions(kv_cache_gib=0.25))
+    server = VLLMServer(tmp_path, 1024, VLLMConfig(kv_cache_gib=0.25))
     cpu = server.command(Path("python"), on_cpu=True)
     assert _flag(cpu, "--kv-cache-memory-bytes") == str(2**28)
     assert "VLLM_CPU_KVCACHE_SPACE" not in server._environment()
@@ -44,7 +45,7 @@ def test_a_kv_cache_too_small_for_one_sequence_fails_the_start_naming_the_settin
     if _vllm_missing():
         pytest.fail(_vllm_missing())  # the slow suite promises this runs (CI runs `make vllm` first)
     checkpoint = _save_tiny(tmp_path / "policy", seed=0)
-    server = VLLMServer(checkpoint, MAX_LEN, VLLMOptions(kv_cache_gib=2**-14))  # 64 KiB: not one block
+    server = VLLMServer(checkpoint, MAX_LEN, VLLMConfig(kv_cache_gib=2**-14))  # 64 KiB: not one block
     with pytest.raises(VLLMServerError, match=r"rollout\.vllm\.kv_cache_gib = 6\.1035.*e-05 GiB"):
         server.start()
     assert server.process.poll() is not None

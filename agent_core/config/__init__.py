@@ -1,7 +1,7 @@
 """Pipeline configuration: frozen pydantic models loaded from YAML (docs/architecture.md §4).
 
-One module per section (data, policy, rollout, reward, algorithm, trainer, warm_start, dev_eval,
-tracking, cluster, audit, cost), the whole run's model in `pipeline`, and loading (unknown keys,
+One module per section (data, policy, rollout, reward, algorithm, trainer, critic, warm_start,
+dev_eval, tracking, runtime, cluster, audit, cost), the whole run's model in `pipeline`, and loading (unknown keys,
 moved keys, `--set` overrides) in `loading`; every public name is re-exported here, so callers
 import from `agent_core.config`. docs/config.md is generated from these models.
 
@@ -18,6 +18,7 @@ from agent_core.config.algorithm import AlgorithmConfig
 from agent_core.config.audit import BOUND_KEYS, AuditConfig, CheckBounds, UserCheck
 from agent_core.config.cluster import ClusterConfig
 from agent_core.config.cost import CostConfig
+from agent_core.config.critic import CriticConfig
 from agent_core.config.data import DataConfig
 from agent_core.config.dev_eval import DevEvalConfig
 from agent_core.config.loading import MOVED_KEYS, apply_overrides, parse_config
@@ -25,6 +26,7 @@ from agent_core.config.pipeline import PipelineConfig
 from agent_core.config.policy import PolicyConfig, PolicyLoraConfig
 from agent_core.config.reward import RewardConfig
 from agent_core.config.rollout import RolloutConfig, VLLMConfig
+from agent_core.config.runtime import RuntimeConfig
 from agent_core.config.tracking import TrackingConfig
 from agent_core.config.trainer import TrainerConfig
 from agent_core.config.warm_start import WarmStartConfig
@@ -32,7 +34,7 @@ from agent_core.config_errors import ConfigError  # re-exported: callers catch i
 
 __all__ = [
     "AlgorithmConfig", "AuditConfig", "BOUND_KEYS", "CheckBounds", "ClusterConfig", "ConfigError", "CostConfig",
-    "DataConfig", "DevEvalConfig", "MOVED_KEYS", "PipelineConfig", "PolicyConfig", "PolicyLoraConfig",
-    "RewardConfig", "RolloutConfig", "TrackingConfig", "TrainerConfig", "UserCheck", "VLLMConfig",
+    "CriticConfig", "DataConfig", "DevEvalConfig", "MOVED_KEYS", "PipelineConfig", "PolicyConfig", "PolicyLoraConfig",
+    "RewardConfig", "RolloutConfig", "RuntimeConfig", "TrackingConfig", "TrainerConfig", "UserCheck", "VLLMConfig",
     "WarmStartConfig", "apply_overrides", "parse_config",
 ]

@@ -11,7 +11,7 @@ class AlgorithmConfig(_Section):
     """Estimator, masks (docs/architecture.md §3; what each does: agent_core/algos/masks.py) and the KL term."""
 
     estimator: str = Field("grpo", description="advantage estimator (agent_core/algos); gae and step_gae train a "
-                           "critic too (trainer.critic_lr)")
+                           "critic too (the critic: section)")
     norm_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
     gamma: float = Field(1.0, ge=0, le=1, description="discount of future rewards (gae, step_gae, reinforce_pp, "
                          "gigpo's step returns); 1 = undiscounted, as episodes are short")

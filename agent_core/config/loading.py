@@ -1,8 +1,10 @@
-"""Loading a config: unknown keys listed (and where a moved key went), `--set` overrides, validation."""
+"""Loading a config: moved keys read at their new place, unknown keys listed, `--set` overrides,
+validation."""
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import yaml
@@ -12,11 +14,42 @@ from agent_core.config.pipeline import PipelineConfig
 from agent_core.config_errors import ConfigError, Problem, config_error, validation_problems
 
 
-# Keys that moved, so an old config says where its key went.
+log = logging.getLogger(__name__)
+
+# Keys that moved: old -> new. An old key still loads, read as its new one, with a warning naming
+# the new place (docs/config.md lists them); setting both is an error.
 MOVED_KEYS = {
-    "algorithm.process_reward_weight": "reward.process_weight",
+    "algorithm.process_reward_weight": "reward.process_weight",  # rewards are combined once, at labelling
     "algorithm.process_reward_norm": "reward.process_norm",
+    "trainer.max_staleness": "runtime.max_staleness",  # runtime switches: how, not what, a run computes
+    "trainer.keep_policy_in_memory": "runtime.keep_policy_in_memory",
+    "trainer.background_save": "runtime.background_save",
+    "trainer.critic_lr": "critic.lr",  # the critic's settings beside each other, out of the policy's
+    "trainer.value_clip": "critic.value_clip",
 }
+
+
+def _move_keys(data: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
+    """`data` with every old key of MOVED_KEYS at its new place (a copy), and a problem for each
+    old key whose new one is set too."""
+    data = json.loads(json.dumps(data))  # deep copy: the caller's dict stays as given
+    problems = []
+    for old, new in MOVED_KEYS.items():
+        old_section, old_key = old.split(".")
+        section = data.get(old_section)
+        if not isinstance(section, dict) or old_key not in section:
+            continue
+        value = section.pop(old_key)
+        new_section, new_key = new.split(".")
+        target = data.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # a malformed section: validation names it
+        if new_key in target:
+            problems.append(Problem(old, f"'{old}' and '{new}' are both set; '{old}' moved to '{new}': keep only '{new}'"))
+            continue
+        target[new_key] = value
+        log.warning("config key '%s' moved to '%s'; read as '%s' (rename it in your config)", old, new, new)
+    return data, problems
 
 
 def _check_keys(model: type[BaseModel], data: Any, prefix: str = "") -> list[Problem]:
@@ -27,9 +60,7 @@ def _check_keys(model: type[BaseModel], data: Any, prefix: str = "") -> list[Pro
     problems = []
     for key, value in data.items():
         if key not in fields:
-            moved = MOVED_KEYS.get(f"{prefix}{key}")
-            hint = f" (it moved to '{moved}': rewards are combined once, at labelling)" if moved else ""
-            problems.append(Problem(f"{prefix}{key}", f"unknown config key '{prefix}{key}'{hint}; valid keys here: "
+            problems.append(Problem(f"{prefix}{key}", f"unknown config key '{prefix}{key}'; valid keys here: "
                                                       f"{', '.join(fields)}"))
             continue
         annotation = fields[key].annotation
@@ -66,7 +97,8 @@ def parse_config(data: dict[str, Any], source: str = "config", overrides: list[s
 
     An error names the layer that set the bad value: one of `overrides` (the `--set` items applied to
     `data`), else `source`."""
-    problems = _check_keys(PipelineConfig, data)
+    data, problems = _move_keys(data) if isinstance(data, dict) else (data, [])
+    problems += _check_keys(PipelineConfig, data)
     if problems:
         raise config_error(problems, source, overrides or [])
     try:

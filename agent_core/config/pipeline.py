@@ -12,11 +12,13 @@ from agent_core.config.algorithm import AlgorithmConfig
 from agent_core.config.audit import AuditConfig
 from agent_core.config.cluster import ClusterConfig
 from agent_core.config.cost import CostConfig
+from agent_core.config.critic import CriticConfig
 from agent_core.config.data import DataConfig
 from agent_core.config.dev_eval import DevEvalConfig
 from agent_core.config.policy import PolicyConfig
 from agent_core.config.reward import RewardConfig
 from agent_core.config.rollout import RolloutConfig
+from agent_core.config.runtime import RuntimeConfig
 from agent_core.config.tracking import TrackingConfig
 from agent_core.config.trainer import TrainerConfig
 from agent_core.config.warm_start import WarmStartConfig
@@ -47,9 +49,11 @@ class PipelineConfig(_Section):
     reward: RewardConfig = RewardConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    critic: CriticConfig = CriticConfig()
     warm_start: WarmStartConfig = WarmStartConfig()
     dev_eval: DevEvalConfig = DevEvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
     cluster: ClusterConfig = ClusterConfig()
     audit: AuditConfig = Field(AuditConfig(), description="behaviour health checks after each iteration "
                                "(agent_core/config/audit.py)")

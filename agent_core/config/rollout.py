@@ -10,29 +10,40 @@ from agent_core.config._base import _Section
 
 
 class VLLMConfig(_Section):
-    """How the vLLM engine's server runs (rollout.engine: vllm; `make vllm` installs it)."""
+    """How the vLLM engine's server runs (rollout.engine: vllm; `make vllm` installs it). The rollout
+    layer takes this object as it is (EngineOptions.vllm, agent_core/rollout/vllm_server.py): frozen and
+    hashable, so it also keys the pool of kept servers."""
 
-    python: str | None = Field(None, description="the vLLM venv's python (default: $AGENTR1_VLLM_PYTHON or .venv-vllm)")
-    kv_cache_gib: float = Field(1.0, gt=0, description="CPU backend: KV cache size in GiB; fractions work (0.25 "
-                                "holds ~11k tokens of SmolLM2 in bfloat16, and saves 0.75 GiB of the server's memory)")
+    python: str | None = Field(None, description="the vLLM venv's python (default: $AGENTR1_VLLM_PYTHON, "
+                               "else .venv-vllm/bin/python)")
+    kv_cache_gib: float = Field(
+        1.0, gt=0, description="CPU backend: KV cache size in GiB, passed as --kv-cache-memory-bytes so fractions "
+        "work (0.25 holds ~11k tokens of SmolLM2 in bfloat16, and saves 0.75 GiB of the server's memory); ignored "
+        "on GPU")
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="GPU backend: share of the GPU's memory the server takes (weights, KV cache, "
         "graphs; --gpu-memory-utilization); the trainer on the same GPU needs the rest while the server is awake. "
         "On GPU it decides and kv_cache_gib is ignored; on CPU kv_cache_gib decides and this is ignored")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="weights and compute dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights and compute dtype; auto keeps the checkpoint's; the CPU backend here is "
+        "exact in float32")
     weight_sync: Literal["reload", "restart"] = Field(
-        "reload", description="reload: new weights into the running server (restart on failure); restart: always restart"
+        "reload", description="reload: new weights into the running server, in place (falls back to a restart on "
+        "failure); restart: always restart"
     )
     keep_server: bool = Field(
-        True, description="false: stop the server when its rollout ends, so training gets its memory (~3.7 GiB for "
-        "SmolLM2 on CPU); each rollout then starts a fresh one (~25-45 s)")
+        True, description="false: stop the pooled server when the engine of its rollout is closed, so training "
+        "gets its memory (~3.7 GiB for SmolLM2 on CPU); each rollout then starts a fresh one (~25-45 s)")
     sleep_mode: Literal["auto", "always", "never"] = Field(
-        "auto", description="a kept server sleeps between rollouts (POST /sleep?level=1: weights to CPU memory, KV "
-        "cache freed) so the trainer on the same GPU gets its memory, and wakes before the next rollout. auto: on GPU "
-        "(the server starts with --enable-sleep-mode); always: also on CPU, where vLLM's sleep does nothing; never. "
+        "auto", description="a kept server sleeps when its last engine is closed (a rollout's end, before training; "
+        "POST /sleep?level=1: weights to CPU memory, KV cache freed) so the trainer on the same GPU gets its memory, "
+        "and wakes before the next rollout. auto: on GPU (the server starts with --enable-sleep-mode); always: also "
+        "on CPU, where vLLM's sleep does nothing (no --enable-sleep-mode there: it only exercises the calls); never. "
         "Not run on a GPU here (docs/architecture.md §6)")
-    startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the server's /health")
-    max_concurrent_calls: int = Field(8, ge=1, description="generate calls the agent loop keeps in flight")
+    startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the server's /health "
+                                     "before giving up")
+    max_concurrent_calls: int = Field(8, ge=1, description="generate calls the agent loop keeps in flight "
+                                      "at once")
     extra_args: tuple[str, ...] = Field((), description="more vLLM server flags, verbatim")
 
     @model_validator(mode="after")

@@ -11,8 +11,8 @@ from agent_core.config._base import _int_or_auto, _Section
 
 class TrainerConfig(_Section):
     """The policy update: optimizer, learning-rate schedule, PPO clipping and loss, micro-batching and
-    memory, the critic's optimizer, and how the trained policy is kept between iterations
-    (agent_core/training)."""
+    memory (agent_core/training). The critic's optimizer is the `critic:` section; how the trained
+    policy is kept between iterations, `runtime:`."""
 
     lr: float = Field(5e-4, ge=0, description="0 makes no update (a dry run; the learning test's control)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay of the policy's and the "
@@ -59,18 +59,7 @@ class TrainerConfig(_Section):
     layout: Literal["auto", "step", "packed"] = Field(
         "auto", description="auto: packed episodes where contexts only append, step rows otherwise"
     )
-    critic_lr: float = Field(1e-4, gt=0, description="critic learning rate (gae, step_gae)")
-    value_clip: float = Field(0.2, gt=0, description="clip range of the value loss")
     max_consecutive_nonfinite: int = Field(
         3, ge=0, description="optimizer steps in a row (counted across iterations) that may be skipped for non-finite "
         "inputs, log-probs, loss or gradients; one more stops the run before its checkpoint is written (0: the first)"
     )
-    max_staleness: int = Field(0, ge=0, description="policy versions a trained step may lag its iteration (0: on-policy; "
-                               "1: rollout k+1 overlaps training k, docs/scale-out.md); older steps are refused")
-    keep_policy_in_memory: bool = Field(
-        True, description="keep the trained policy, critic and optimizers in memory for the next iteration instead of "
-        "reloading the checkpoint just written (still written every iteration; one process only, not "
-        "data-parallel workers; same parameters either way)")
-    background_save: bool = Field(
-        True, description="write the optimizer state and the train stage's manifest on a background thread while the "
-        "next rollout runs (the checkpoint is written before the stage returns; one process only)")

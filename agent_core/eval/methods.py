@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from agent_core.config import RolloutConfig
+from agent_core.config import RolloutConfig, VLLMConfig
 from agent_core.data.naive_rag import naive_rag_messages, question_text
 from agent_core.envs.search import Bm25Index
 from agent_core.registry import Registry
@@ -48,7 +48,6 @@ from agent_core.rollout.chat import encode_conversation, eos_token_ids
 from agent_core.rollout.engine import Engine, SamplingParams
 from agent_core.rollout.records import StepRecord
 from agent_core.rollout.spec import RolloutSpec, local_roll_out
-from agent_core.rollout.vllm_server import VLLMOptions
 from agent_core.types import Document, Prompt
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -81,7 +80,7 @@ class EvalSettings:
     instructions: bool = True
     engine: str = "hf"
     max_batch_size: int = 64
-    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     device: str = "auto"
     rollout: RolloutConfig | None = None
     scorer: str = "qa_em"

@@ -1,4 +1,4 @@
-"""Writes that finish on a background thread while the pipeline goes on (trainer.background_save).
+"""Writes that finish on a background thread while the pipeline goes on (runtime.background_save).
 
 After an iteration's training the next rollout needs the new checkpoint (its engine loads it), but
 nothing before the next training reads the optimizer state, and the train stage's manifest only

@@ -9,7 +9,7 @@ table or the new one, never half of either. Reads check the table again, so a fi
 written by other code cannot feed a stage bad rows. A stage writing several tables uses
 `write_tables`, which checks them all before writing any.
 
-One exception to checking on read (DESIGN.md says "on write and on read"): a file this process
+One exception to checking every table on read as well as on write: a file this process
 checked and wrote itself, still the same file (inode, size and modification time of the open
 file unchanged), is not checked again when it reads it back; a file replaced or edited since, or
 written by another process, is. Checking costs 20-40 ms per table however small (pandera's

@@ -21,22 +21,22 @@ from typing import Callable
 
 import torch
 
+from agent_core.config import VLLMConfig
 from agent_core.devices import resolve_device
 from agent_core.io.checkpoints import load_policy, load_tokenizer
 from agent_core.registry import Registry
 from agent_core.rollout.engine import Engine
-from agent_core.rollout.vllm_server import VLLMOptions
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     """max_batch_size: sequences per forward pass (per request for vLLM). max_model_len: the longest
-    context + action the engine must hold (vLLM sizes its server by it). vllm: how a vLLM server runs.
+    context + action the engine must hold (vLLM sizes its server by it). vllm: how a vLLM server runs (the config's rollout.vllm).
     device: where an in-process model lives (the run's `device` setting, resolved when built)."""
 
     max_batch_size: int = 64
     max_model_len: int = 2048
-    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     device: str = "auto"
 
 

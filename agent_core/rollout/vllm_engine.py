@@ -31,12 +31,13 @@ from typing import Sequence
 
 import httpx
 
+from agent_core.config import VLLMConfig
 from agent_core.io.checkpoints import load_tokenizer
 from agent_core.rollout.chat import eos_token_ids
 from agent_core.rollout.engine import Generation, SamplingParams, check_request, seeds_of
 from agent_core.rollout.vllm_checkpoints import architecture_key, lora_checkpoint
 from agent_core.rollout.vllm_server import (
-    ExternalVLLMServer, VLLMOptions, VLLMServer, VLLMServerError, vllm_python,
+    ExternalVLLMServer, VLLMServer, VLLMServerError, vllm_python,
 )
 
 _POOL: dict[tuple, VLLMServer] = {}
@@ -161,7 +162,7 @@ def _generation(choice: dict, stop_ids: set[int]) -> Generation:
     return Generation(ids, logprobs, "stop" if ids[-1] in stop_ids else "length")
 
 
-def pooled_server(policy_dir: Path, max_model_len: int, options: VLLMOptions) -> VLLMServer:
+def pooled_server(policy_dir: Path, max_model_len: int, options: VLLMConfig) -> VLLMServer:
     """A healthy, awake server serving `policy_dir` (its weights, or its LoRA adapter on its base model):
     reused, woken and loaded in place when possible."""
     policy_dir = Path(policy_dir)
@@ -185,7 +186,7 @@ def pooled_server(policy_dir: Path, max_model_len: int, options: VLLMOptions) ->
         return server
 
 
-def _start(model_dir: Path, max_model_len: int, options: VLLMOptions, lora_rank: int | None,
+def _start(model_dir: Path, max_model_len: int, options: VLLMConfig, lora_rank: int | None,
            restarts: int = 0) -> VLLMServer:
     return VLLMServer(model_dir, max_model_len, options, lora_rank=lora_rank, restarts=restarts).start()
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from agent_core.config import VLLMConfig
 from agent_core.rollout.vllm_checkpoints import VLLMServerError, check_cpu_head_size, lora_checkpoint, vllm_lora_rank
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -48,37 +49,7 @@ class VLLMNotInstalledError(VLLMServerError):
     """The vLLM virtualenv is missing."""
 
 
-@dataclass(frozen=True)
-class VLLMOptions:
-    """How the vLLM server is run (RolloutConfig.vllm holds the same fields).
-
-    python: the vLLM virtualenv's interpreter; None = $AGENTR1_VLLM_PYTHON or .venv-vllm/bin/python.
-    kv_cache_gib: KV cache size on CPU in GiB (--kv-cache-memory-bytes, so fractions work); ignored on GPU.
-    gpu_memory_utilization: share of GPU memory vLLM may take; ignored on CPU.
-    dtype: "auto" keeps the checkpoint's; the CPU backend here is exact in float32.
-    weight_sync: "reload" (in place, falls back to a restart) or "restart".
-    keep_server: False stops a pooled server when the engine of its rollout is closed.
-    sleep_mode: put a kept server to sleep when its last engine is closed (a rollout's end, before
-      training) and wake it before the next rollout. auto: on GPU only; always: also on CPU, where
-      vLLM's sleep does nothing (no --enable-sleep-mode there; it only exercises the calls); never.
-    startup_timeout_s: how long to wait for /health before giving up.
-    max_concurrent_calls: generate calls the agent loop may have in flight at once.
-    extra_args: more server flags, verbatim.
-    """
-
-    python: str | None = None
-    kv_cache_gib: float = 1.0
-    gpu_memory_utilization: float = 0.5
-    dtype: str = "float32"
-    weight_sync: str = "reload"
-    keep_server: bool = True
-    sleep_mode: str = "auto"
-    startup_timeout_s: float = 300.0
-    max_concurrent_calls: int = 8
-    extra_args: tuple[str, ...] = ()
-
-
-def vllm_python(options: VLLMOptions) -> Path:
+def vllm_python(options: VLLMConfig) -> Path:
     """The interpreter that runs the server; a clear error naming the fix when it is missing."""
     configured = options.python or os.environ.get("AGENTR1_VLLM_PYTHON")
     python = Path(configured) if configured else DEFAULT_VENV / "bin" / "python"
@@ -103,7 +74,7 @@ class VLLMServer:
 
     model_dir: Path
     max_model_len: int
-    options: VLLMOptions = field(default_factory=VLLMOptions)
+    options: VLLMConfig = field(default_factory=VLLMConfig)
     port: int = 0
     process: subprocess.Popen | None = None
     loaded_dir: Path | None = None  # the checkpoint the server serves now (an adapter's folder for LoRA)

@@ -6,11 +6,11 @@ same policy, optimizer state and sequences, runs `train_iteration` with its `Dat
 of each step's micro-batches (gradients summed, so all workers step identically), and only rank 0
 writes the checkpoint, optimizer state and critic, atomically, as a single process does.
 
-In one process with `keep_in_memory` (trainer.keep_policy_in_memory), what an iteration saved stays
+In one process with `keep_in_memory` (runtime.keep_policy_in_memory), what an iteration saved stays
 in memory (`resident.py`) and the next iteration, whose inputs are those files, uses it instead of
 loading them again; the files are still written every iteration and give the same parameters.
 
-In one process with `background_save` (trainer.background_save), the checkpoint and critic are
+In one process with `background_save` (runtime.background_save), the checkpoint and critic are
 written before `run_training` returns (the next rollout and advantages read them), and the
 optimizer states on the writer thread (agent_core/io/background.py), which the next
 `run_training` waits for before it reads anything.

@@ -118,7 +118,7 @@ def lora_reference_module(policy_dir: Path, reference_dir: Path) -> tuple[torch.
     policy_dir, reference_dir = Path(policy_dir), Path(reference_dir)
     if not is_lora_checkpoint(policy_dir) or lora_base_dir(policy_dir).resolve() != reference_dir.resolve():
         return None
-    background.wait()  # with trainer.background_save the module is held once its optimizer state is written
+    background.wait()  # with runtime.background_save the module is held once its optimizer state is written
     entry = resident.held(resident.POLICY)
     if entry is None or entry.paths[0] != str(policy_dir.resolve()) or entry.stamp[0] != stat_stamp(policy_dir):
         return None

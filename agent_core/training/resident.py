@@ -1,4 +1,4 @@
-"""Trained objects kept in memory from one iteration's training to the next (trainer.keep_policy_in_memory).
+"""Trained objects kept in memory from one iteration's training to the next (runtime.keep_policy_in_memory).
 
 Every iteration still writes its checkpoint and optimizer state (a resumed run, the rollout engines
 and the evaluation read them), but the process that wrote them need not read them back: after the
@@ -21,7 +21,7 @@ Lending (one copy of the weights): the policy just saved is also `offer`ed under
 directory, and an hf engine built for that directory in this process borrows the module itself
 (`lend`) instead of loading a second copy (agent_core/run_resources.py installs `lend` as the engine
 factory's lender). A module is never trained while lent: `take` of a lent module leaves it to the
-engine and returns None (the trainer loads the files: a rollout overlapping training, trainer.max_staleness
+engine and returns None (the trainer loads the files: a rollout overlapping training, runtime.max_staleness
 >= 1, gets two copies, as before), and `lend` after a `take` finds nothing (the engine loads).
 """
 
@@ -75,7 +75,7 @@ class Lease:
                     del _lent[id(self.model)]
 
 
-_lock = threading.Lock()  # a flow may train in a worker thread (trainer.max_staleness >= 1)
+_lock = threading.Lock()  # a flow may train in a worker thread (runtime.max_staleness >= 1)
 _entries: dict[str, Resident] = {}
 _offer: Offer | None = None  # the one policy engines may borrow
 _lent: dict[int, int] = {}  # id(module) -> open leases

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent_core.config import AlgorithmConfig, TrainerConfig
+from agent_core.config import AlgorithmConfig, CriticConfig, TrainerConfig
 from agent_core.training.memory import AUTO, Auto
 
 
@@ -73,13 +73,14 @@ class PPOSettings:
             raise ValueError(f"epochs and mini_batches must be >= 1, got {self.epochs} and {self.mini_batches}")
 
     @classmethod
-    def from_config(cls, trainer: TrainerConfig, algorithm: AlgorithmConfig, temperature: float | None) -> "PPOSettings":
+    def from_config(cls, trainer: TrainerConfig, algorithm: AlgorithmConfig, temperature: float | None,
+                    critic: CriticConfig = CriticConfig()) -> "PPOSettings":
         """The run's settings: a KL in the reward was applied by the advantages stage, so it is no loss term."""
         return cls(
             epochs=trainer.epochs, mini_batches=trainer.mini_batches, clip_low=trainer.clip_low,
             clip_high=trainer.clip_high, dual_clip=trainer.dual_clip, policy_loss=trainer.policy_loss,
             entropy_coef=trainer.entropy_coef, kl_coef=0.0 if algorithm.kl_in_reward else algorithm.kl_coef,
-            kl_estimator=algorithm.kl_estimator, value_clip=trainer.value_clip, max_grad_norm=trainer.max_grad_norm,
+            kl_estimator=algorithm.kl_estimator, value_clip=critic.value_clip, max_grad_norm=trainer.max_grad_norm,
             micro_batch_tokens=trainer.micro_batch_tokens, max_logit_elements=trainer.micro_batch_logits,
             temperature=temperature or 1.0, agg_mode=trainer.loss_agg_mode, use_loss_mask=algorithm.use_loss_mask,
             use_advantage_mask=algorithm.use_advantage_mask, recompute_old_logprobs=trainer.recompute_old_logprobs,
