@@ -19,7 +19,7 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact
 
-from agent_core.audit import HealthRow, audit_iterations
+from agent_core.audit import HealthRow, audit_iterations, judged_iterations
 from agent_core.audit.report import health_markdown, write_health_report
 from agent_core.config.audit import AuditConfig
 from agent_core.io.layout import RUN_TABLES, RunLayout
@@ -55,9 +55,10 @@ def _log_metrics(tracking: Any, iteration: int, rows) -> None:
 
 
 def _inputs(run: RunLayout, iteration: int, baseline_iterations: int) -> dict[str, str]:
-    """The tables the iteration's verdict depends on: its own and the baseline iterations'."""
-    iterations = sorted({*range(min(iteration, baseline_iterations)), iteration})
-    return {f"{name}@{k}": run.table_uri(k, name) for k in iterations for name in RUN_TABLES}
+    """The tables the iteration's verdict depends on, exactly those the audit reads: its own and the
+    baseline iterations' (agent_core/audit/runner.py judged_iterations)."""
+    return {f"{name}@{k}": run.table_uri(k, name) for k in sorted(judged_iterations([iteration], baseline_iterations))
+            for name in RUN_TABLES}
 
 
 @stage_task(name="audit")

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent_core.audit import BUILTIN_NAMES, audit_iterations
+from agent_core.audit import BUILTIN_NAMES, audit_iterations, judged_iterations
 from agent_core.audit.checks import Check
 from agent_core.audit.evaluate import judge
 from agent_core.config.audit import AuditConfig
@@ -114,6 +114,23 @@ def test_a_corrupt_table_is_said_not_raised(tmp_path):
     assert rows["malformed_action_rate"].status == "error"
     assert "steps" in rows["malformed_action_rate"].detail and "\n" not in rows["malformed_action_rate"].detail
     assert rows["kl"].status == "ok"
+
+
+def test_an_audit_reads_only_the_audited_and_the_baseline_iterations(tmp_path):
+    """Iteration 4's verdict depends on iterations 0, 1 (the baseline) and 4: what its manifest records
+    as inputs (tasks/audit.py). A damaged iteration 2 or 3 must not reach it, and its cost must not
+    grow with the run's length."""
+    for k in range(5):
+        run = write_iteration(tmp_path, "r", k, healthy())
+    for k in (2, 3):
+        path = run.iteration_dir(k) / "steps.parquet"
+        path.write_bytes(path.read_bytes()[:200])
+    rows = audit_iterations(run, AuditConfig(), [4])
+    assert [r.line() for r in rows if r.status != "ok"] == []
+    assert judged_iterations([4], 2) == {0, 1, 4} and judged_iterations([1], 2) == {0, 1}
+    assert judged_iterations([0], 2) == {0} and judged_iterations([2, 6], 3) == {0, 1, 2, 6}
+    assert {r.status for r in audit_iterations(run, AuditConfig(), [3]) if r.check_name == "malformed_action_rate"} \
+        == {"error"}  # the damaged table is read when it is the audited iteration's
 
 
 def test_a_user_check_runs_through_the_read_only_catalog(tmp_path):

@@ -4,7 +4,7 @@ against thresholds and the run's first iterations. `BUILTIN_CHECKS` lists them; 
 
 from agent_core.audit.checks import BUILTIN_CHECKS, BUILTIN_NAMES, Check, configured_checks
 from agent_core.audit.evaluate import FAILING, HealthRow, judge, run_checks
-from agent_core.audit.runner import audit_iterations
+from agent_core.audit.runner import audit_iterations, judged_iterations
 
 __all__ = ["BUILTIN_CHECKS", "BUILTIN_NAMES", "FAILING", "Check", "HealthRow", "audit_iterations",
-           "configured_checks", "judge", "run_checks"]
+           "configured_checks", "judge", "judged_iterations", "run_checks"]

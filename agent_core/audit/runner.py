@@ -27,11 +27,18 @@ def _missing(run: RunLayout):
     return missing
 
 
+def judged_iterations(iterations: Sequence[int], baseline_iterations: int) -> set[int]:
+    """The iterations whose tables judging `iterations` reads: those, and the baseline ones before
+    the last of them (evaluate.py: a value is judged against the baseline iterations' mean)."""
+    return {*iterations, *range(min(baseline_iterations, max(iterations)))}
+
+
 def audit_iterations(run: RunLayout, cfg: AuditConfig, iterations: Sequence[int]) -> list[HealthRow]:
-    """The health rows of `iterations` (each check judged at each), read from the run's tables up
-    to the last of them. Never raises for a table: a check that cannot run is an `error` row."""
+    """The health rows of `iterations` (each check judged at each), read from the run's tables of
+    those and the baseline iterations only. Never raises for a table: a check that cannot run is an
+    `error` row."""
     if not iterations:
         return []
-    with open_run_catalog(run, max(iterations)) as catalog:
+    with open_run_catalog(run, judged_iterations(iterations, cfg.baseline_iterations)) as catalog:
         return run_checks(configured_checks(cfg), lambda sql: select_values(catalog, sql), run.run_id,
                           list(iterations), cfg.baseline_iterations, _missing(run))

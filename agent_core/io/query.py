@@ -57,12 +57,13 @@ def _visible(path: Path, root: Path) -> bool:
     return not any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def run_table_files(data_root: Path) -> dict[str, list[Path]]:
-    """Parquet files of each run table, by table name (sorted; hidden temp files left out)."""
+def run_table_files(data_root: Path, run_id: str = "*") -> dict[str, list[Path]]:
+    """Parquet files of each run table, by table name (sorted; hidden temp files left out); of every
+    run, or of `run_id` only (its folder alone is listed)."""
     data_root = Path(data_root)
     # `health` (the audit's table, agent_core/audit) is an empty view until a run has audited an iteration
     files: dict[str, list[Path]] = {name: [] for name in (*RUN_TABLES, "health", LEDGER_TABLE)}
-    for path in sorted(data_root.glob("runs/*/iteration=*/*.parquet")):
+    for path in sorted(data_root.glob(f"runs/{run_id}/iteration=*/*.parquet")):
         if not (path.is_file() and _visible(path, data_root) and _ITERATION_DIR.match(path.parent.name)):
             continue
         if _VIEW_NAME.match(path.stem) and path.stem not in DATASET_TABLES:

@@ -1,17 +1,19 @@
 """One run's tables as a read-only SQL catalog: what the behaviour audit (agent_core/audit) queries.
 
 The same `ReadOnlyCatalog` as `agentr1 query` (agent_core/io/readonly_sql.py: one SELECT, on a
-connection that can read only the views' files), restricted to one run and to its iterations up to
-the one audited. Restricted, so a check needs no `WHERE run_id = ...` and sees the same rows when
-the audit of iteration k is redone after iteration k+1 exists (with trainer.max_staleness >= 1 the
-next rollout is written before iteration k is audited).
+connection that can read only the views' files), restricted to one run and to the iterations an
+audit judges with: the audited ones and the baseline iterations. Restricted, so a check needs no
+`WHERE run_id = ...`; it reads exactly the tables the audit's manifest records as its inputs
+(tasks/audit.py), so a redone audit of iteration k sees the same rows after iteration k+1 exists
+(with runtime.max_staleness >= 1 the next rollout is written before iteration k is audited); and
+an audit's cost does not grow with the run's length.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -26,28 +28,26 @@ _ITERATION = re.compile(r"^iteration=(\d+)$")
 AUDIT_COLUMNS = ("iteration", "value")  # what every check's SELECT returns: one value per iteration
 
 
-def _run_files(run: RunLayout, last_iteration: int | None) -> dict[str, list]:
-    """The run's table files by table name, iterations <= last_iteration (all: None)."""
+def _run_files(run: RunLayout, iterations: Collection[int] | None) -> dict[str, list]:
+    """The run's table files by table name, of `iterations` (all: None)."""
     files: dict[str, list] = {}
-    for name, paths in run_table_files(run.data_root).items():
+    for name, paths in run_table_files(run.data_root, run.run_id).items():
         files[name] = []
         for path in paths:
             match = _ITERATION.match(path.parent.name)
-            if path.parent.parent.name != run.run_id or match is None:
-                continue
-            if last_iteration is None or int(match.group(1)) <= last_iteration:
+            if match is not None and (iterations is None or int(match.group(1)) in iterations):
                 files[name].append(path)
     return files
 
 
 @contextmanager
-def open_run_catalog(run: RunLayout, last_iteration: int | None = None) -> Iterator[ReadOnlyCatalog]:
-    """A read-only catalog over `run`'s tables up to `last_iteration`, reading snapshot hard links
+def open_run_catalog(run: RunLayout, iterations: Collection[int] | None = None) -> Iterator[ReadOnlyCatalog]:
+    """A read-only catalog over `run`'s tables of `iterations` (all: None), reading snapshot hard links
     (a table a live run replaces meanwhile is read whole); a table with no file is an empty view."""
     snapshot_dir = _snapshot_folder(Path(run.data_root))
     try:
         views = {name: _linked(paths, snapshot_dir / name) if snapshot_dir else [TableFile(p, p) for p in paths]
-                 for name, paths in _run_files(run, last_iteration).items()}
+                 for name, paths in _run_files(run, iterations).items()}
         with ReadOnlyCatalog(views, _schemas()) as catalog:
             yield catalog
     finally:
