@@ -27,7 +27,7 @@ from agent_core.config_errors import Problem, config_error
 from agent_core.data.oracle import oracle_config_problems
 from agent_core.devices import DeviceError, resolve_device
 from agent_core.envs.formats import FORMATS
-from agent_core.envs.registry import ENVS, check_env_spec, check_tool_entries
+from agent_core.envs.registry import ENVS, check_env_spec, check_tool_entries, check_tool_env_kwargs
 from agent_core.io.checkpoints import CheckpointError, check_checkpoint, policy_source_dir
 from agent_core.io.config_files import config_source, read_config
 from agent_core.audit.validate import audit_problems
@@ -108,11 +108,16 @@ def _env_kwargs_problems(cfg: RolloutConfig) -> list[Problem]:
             check_env_spec(cfg.env, cfg.env_kwargs)
         except ValueError as error:
             return [Problem("rollout.env_kwargs", str(error))]
-    elif "tools" in cfg.env_kwargs:
+    else:  # they refine each prompt's own env: the built-in ones are ToolEnvs
         try:
-            check_tool_entries(cfg.env_kwargs["tools"], "rollout.env_kwargs")
+            if "tools" in cfg.env_kwargs:
+                check_tool_entries(cfg.env_kwargs["tools"], "rollout.env_kwargs")
         except ValueError as error:
             return [Problem("rollout.env_kwargs.tools", str(error))]
+        try:
+            check_tool_env_kwargs(cfg.env_kwargs, "a prompt's env")
+        except ValueError as error:
+            return [Problem("rollout.env_kwargs", str(error))]
     if "tool_format" in cfg.env_kwargs:
         return _unknown("rollout.env_kwargs.tool_format", FORMATS, cfg.env_kwargs["tool_format"])
     return []

@@ -278,6 +278,13 @@ CONFIG_CASES = {
     "unknown tool, prompts' env": (["rollout.env_kwargs={tools: [serch]}"],
                                    ["rollout.env_kwargs", "tools[0]", "'serch'", "calculator, python, search"]),
     "unknown tool format": (["rollout.env_kwargs={tool_format: hermez}"], ["hermez", "hermes, tag"]),
+    # values the env would refuse when first built (a rollout, or the dev eval minutes in)
+    "negative penalty, prompts' env": (["rollout.env_kwargs={invalid_action_penalty: -1.0}"],
+                                       ["rollout.env_kwargs", "invalid_action_penalty must be >= 0", "-1.0"]),
+    "zero timeout": (["rollout.env=search_qa", "rollout.env_kwargs={tool_timeout_s: 0}"],
+                     ["rollout.env_kwargs", "env 'search_qa'", "tool_timeout_s", "must be positive"]),
+    "budget not a number": (["rollout.env=tool_env", "rollout.env_kwargs={max_tool_calls_per_episode: many}"],
+                            ["rollout.env_kwargs", "env 'tool_env'", "must be numbers", "many"]),
 }
 
 

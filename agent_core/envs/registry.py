@@ -17,7 +17,7 @@ from agent_core.envs.agent_program import ENV_NAME, ProgramSpec
 from agent_core.envs.base import AgentEnv
 from agent_core.envs.formats import FORMATS
 from agent_core.envs.search import Bm25Index
-from agent_core.envs.tool_env import DEFAULT_MAX_TOOL_CALLS_PER_EPISODE, ChatCapabilities, ToolEnv
+from agent_core.envs.tool_env import DEFAULT_MAX_TOOL_CALLS_PER_EPISODE, ChatCapabilities, ToolEnv, check_tool_env_values
 from agent_core.envs.tools import TOOLS, make_tool
 from agent_core.registry import Registry
 
@@ -127,6 +127,24 @@ def check_env_spec(name: str, kwargs: Mapping[str, Any]) -> None:
         check_tool_entries(kwargs["tools"], f"env {name!r}")
     if name == ENV_NAME:  # its values can be checked without building anything
         ProgramSpec.from_env_kwargs(kwargs)
+    if name in TOOL_ENVS:
+        check_tool_env_kwargs(kwargs, f"env {name!r}")
+
+
+# The registered envs that are a ToolEnv: their scalar kwargs (penalties, budgets) are checked at
+# config load, not first when an env is built (a rollout, or minutes later the dev eval).
+TOOL_ENVS = ("tool_env", "search_qa")
+
+
+def check_tool_env_kwargs(kwargs: Mapping[str, Any], where: str) -> None:
+    """ValueError, prefixed with `where`, if a ToolEnv setting in `kwargs` is out of range or not a number."""
+    try:
+        check_tool_env_values(**kwargs)
+    except TypeError:
+        raise ValueError(f"{where}: penalties, budgets and timeouts must be numbers, got "
+                         f"{ {k: v for k, v in kwargs.items() if k != 'tools'} }") from None
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
 
 
 def check_tool_entries(entries: Any, where: str) -> None:

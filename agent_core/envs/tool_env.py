@@ -62,6 +62,21 @@ def add_instructions(messages: Sequence[ChatMessage], text: str) -> tuple[ChatMe
     return (ChatMessage("system", text), *messages)
 
 
+def check_tool_env_values(invalid_action_penalty: float = 0.0, tool_error_penalty: float = 0.0,
+                          tool_timeout_s: float = 10.0, max_calls_per_action: int = 4, max_result_chars: int = 4000,
+                          max_tool_calls_per_episode: int | None = 0, **_other: Any) -> None:
+    """ValueError naming the first out-of-range setting of a ToolEnv. Other keys are ignored, so the
+    config check can pass `rollout.env_kwargs` whole and fail at load, not when an env is first built."""
+    for name, value in (("invalid_action_penalty", invalid_action_penalty), ("tool_error_penalty", tool_error_penalty)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 (it is subtracted), got {value}")
+    if tool_timeout_s <= 0 or max_calls_per_action < 1 or max_result_chars < 1:
+        raise ValueError("tool_timeout_s, max_calls_per_action and max_result_chars must be positive, got "
+                         f"{tool_timeout_s}, {max_calls_per_action} and {max_result_chars}")
+    if max_tool_calls_per_episode is not None and max_tool_calls_per_episode < 0:
+        raise ValueError(f"max_tool_calls_per_episode must be >= 0 or None, got {max_tool_calls_per_episode}")
+
+
 class ToolEnv:
     """Tools + a tool-call format. One instance runs one episode at a time.
 
@@ -91,13 +106,8 @@ class ToolEnv:
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"tool names must be unique; repeated: {', '.join(duplicates)}")
-        for name, value in (("invalid_action_penalty", invalid_action_penalty), ("tool_error_penalty", tool_error_penalty)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0 (it is subtracted), got {value}")
-        if tool_timeout_s <= 0 or max_calls_per_action < 1 or max_result_chars < 1:
-            raise ValueError("tool_timeout_s, max_calls_per_action and max_result_chars must be positive")
-        if max_tool_calls_per_episode is not None and max_tool_calls_per_episode < 0:
-            raise ValueError(f"max_tool_calls_per_episode must be >= 0 or None, got {max_tool_calls_per_episode}")
+        check_tool_env_values(invalid_action_penalty, tool_error_penalty, tool_timeout_s, max_calls_per_action,
+                              max_result_chars, max_tool_calls_per_episode)
         self.tools = {tool.name: tool for tool in tools}
         self.tool_specs = [tool.spec() for tool in tools]
         self.format = build_format(tool_format, self.tool_specs)
