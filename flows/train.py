@@ -102,9 +102,9 @@ def _finish_iteration(run: RunLayout, k: int, checkpoint: str, dataset: DatasetU
     """After iteration k's training: evaluate if due, log it, audit it; the new policy and its version (k + 1)."""
     if _evaluates_after(k, config):
         dev_eval(run, k, checkpoint, dataset, config.dev_eval, eval_settings)
-    record_ledger(run, k, config)  # the iteration's stage seconds, priced (README "What a run cost")
     reports.append(log_iteration(run, k, tracking, checkpoint))
     audits.append(audit_iteration(run, k, config.audit, tracking))  # behaviour health checks (agent_core/audit)
+    record_ledger(run, k, config)  # the iteration's stage seconds, the audit's too, priced (README "What a run cost")
     return checkpoint, k + 1
 
 
