@@ -37,7 +37,8 @@ def test_a_moved_key_loads_at_its_new_place_and_says_where_it_went(caplog):
     with caplog.at_level(logging.WARNING):
         config = load_config(None, ["algorithm.process_reward_norm=max_abs"])
     assert config.reward.process_norm == "max_abs"
-    assert "'algorithm.process_reward_norm' moved to 'reward.process_norm'" in caplog.text
+    assert ("'algorithm.process_reward_norm' (set by --set algorithm.process_reward_norm=max_abs) moved to "
+            "'reward.process_norm'") in caplog.text
     assert load_config(None, ["reward.process_norm=max_abs"]).reward.process_norm == "max_abs"
     with pytest.raises(ConfigError) as error:  # keys that did not move get no hint
         load_config(None, ["rollout.grup_size=8"])

@@ -29,9 +29,10 @@ MOVED_KEYS = {
 }
 
 
-def _move_keys(data: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
+def _move_keys(data: dict[str, Any], source: str, overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
     """`data` with every old key of MOVED_KEYS at its new place (a copy), and a problem for each
-    old key whose new one is set too."""
+    old key whose new one is set too. The warning names where the old key was set: its `--set`, or
+    `source` (a user's YAML, or a run's stored config recorded before the move)."""
     data = json.loads(json.dumps(data))  # deep copy: the caller's dict stays as given
     problems = []
     for old, new in MOVED_KEYS.items():
@@ -48,7 +49,9 @@ def _move_keys(data: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
             problems.append(Problem(old, f"'{old}' and '{new}' are both set; '{old}' moved to '{new}': keep only '{new}'"))
             continue
         target[new_key] = value
-        log.warning("config key '%s' moved to '%s'; read as '%s' (rename it in your config)", old, new, new)
+        where = next((f"--set {item}" for item in reversed(overrides) if item.partition("=")[0] == old), source)
+        log.warning("config key '%s' (set by %s) moved to '%s'; read as '%s', nothing else changes",
+                    old, where, new, new)
     return data, problems
 
 
@@ -97,7 +100,7 @@ def parse_config(data: dict[str, Any], source: str = "config", overrides: list[s
 
     An error names the layer that set the bad value: one of `overrides` (the `--set` items applied to
     `data`), else `source`."""
-    data, problems = _move_keys(data) if isinstance(data, dict) else (data, [])
+    data, problems = _move_keys(data, source, overrides or []) if isinstance(data, dict) else (data, [])
     problems += _check_keys(PipelineConfig, data)
     if problems:
         raise config_error(problems, source, overrides or [])
