@@ -64,7 +64,8 @@ def add_instructions(messages: Sequence[ChatMessage], text: str) -> tuple[ChatMe
 
 def check_tool_env_values(invalid_action_penalty: float = 0.0, tool_error_penalty: float = 0.0,
                           tool_timeout_s: float = 10.0, max_calls_per_action: int = 4, max_result_chars: int = 4000,
-                          max_tool_calls_per_episode: int | None = 0, **_other: Any) -> None:
+                          max_tool_calls_per_episode: int | None = DEFAULT_MAX_TOOL_CALLS_PER_EPISODE,
+                          **_other: Any) -> None:
     """ValueError naming the first out-of-range setting of a ToolEnv. Other keys are ignored, so the
     config check can pass `rollout.env_kwargs` whole and fail at load, not when an env is first built."""
     for name, value in (("invalid_action_penalty", invalid_action_penalty), ("tool_error_penalty", tool_error_penalty)):
