@@ -1,4 +1,5 @@
-"""TRL's side of bench/trl_compare.py: GRPO steps with TRL's GRPOTrainer (HF generate, CPU), timed.
+"""TRL's side of bench/trl_compare.py and bench/gpu_trl.py: GRPO steps with TRL's GRPOTrainer (HF
+generate; the CPU, or one GPU), timed.
 
 Runs in TRL's own virtualenv (`make trl` builds .venv-trl) and imports nothing from this project,
 so TRL's pins never meet the pipeline's. Usage:
@@ -8,7 +9,9 @@ so TRL's pins never meet the pipeline's. Usage:
 SPEC.json holds: model_dir; prompts (rows of {"messages": [chat messages], "answers": [gold answers]},
 in the order the steps should use them: step k takes rows [k*P, (k+1)*P) with P prompts per step);
 prompts_per_step, num_generations, max_completion_length, steps, learning_rate, grad_accum, seed,
-output_dir; optional threads (torch intra-op threads) and lockstep.
+output_dir; optional threads (torch intra-op threads), lockstep, bf16, use_cpu (default true; false:
+the Trainer's device, a GPU where there is one) and report_distributions (the result then names the
+installed distributions of every module the process imported, with versions).
 
 Protocol: lines on stdout that start with "TRLW " carry JSON events (other stdout lines are
 TRL's/transformers' own prints): {"event": "ready"} once the trainer is built, {"event": "step",
@@ -149,7 +152,7 @@ def _build_trainer(spec: dict, timer: _Timer):
         temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
         learning_rate=spec["learning_rate"], lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
         max_steps=spec["steps"], shuffle_dataset=False, seed=spec["seed"],
-        bf16=bool(spec.get("bf16")), fp16=False, use_cpu=True, gradient_checkpointing=False,
+        bf16=bool(spec.get("bf16")), fp16=False, use_cpu=spec.get("use_cpu", True), gradient_checkpointing=False,
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
         log_completions=False, dataloader_num_workers=0,
     )
@@ -209,13 +212,31 @@ def run(spec: dict) -> dict:
     }
 
 
+def distributions() -> dict[str, str]:
+    """name -> version of the installed distribution behind each module this process imported."""
+    from importlib import metadata
+
+    owners = metadata.packages_distributions()
+    found = {}
+    for top in {name.split(".")[0] for name in list(sys.modules)}:
+        for dist in owners.get(top, ()):
+            try:
+                found[dist] = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                continue
+    return dict(sorted(found.items(), key=lambda item: item[0].lower()))
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
     with open(argv[0]) as handle:
         spec = json.load(handle)
-    emit("result", **run(spec))
+    result = run(spec)
+    if spec.get("report_distributions"):
+        result["distributions"] = distributions()
+    emit("result", **result)
     return 0
 
 
