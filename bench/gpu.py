@@ -26,11 +26,17 @@ same vocabulary built offline (bench/gpu_workload.py). Rows, each printed next t
 - ``lora_24gib_seconds``: the same iteration with LoRA (agent_core/training/lora.py, `policy.lora`
   defaults) on Qwen2.5-1.5B's shape (hidden 1536, 28 layers, 12 heads, 2 KV heads, FFN 8960),
   within the 24 GiB limit. Goal: it runs.
+- ``trl_vs_ours``: TRL's GRPOTrainer (plain `generate`, no vLLM; its own interpreter, bench/gpu_trl.py)
+  and the library on the same single-turn GRPO work as bench/trl_compare.py (--prompts x
+  --group-size x --new-tokens, one optimizer step, no KL), 1 + --updates iterations each: TRL's
+  median seconds per iteration over ours. Goal >= 3. Skipped, with the reason, where TRL does not
+  import; `--quick` runs it only when named (`--only trl`). Not yet run on a GPU (estimated 1-2
+  minutes there, TRL's start included).
 
 Runs in about 3-4 minutes on an H100. Needs torch, transformers, peft and pydantic (no Prefect,
 DuckDB, MLflow or pandera: nothing here imports them; tests/test_bench.py checks). Results:
 <out>/<card name>.json (default bench/results-gpu/), in bench/common's format.
-`--quick`: tiny sizes on whatever device there is (the CPU in CI), every row, in seconds.
+`--quick`: tiny sizes on whatever device there is (the CPU in CI), every row but trl, in seconds.
 
     python -m bench.gpu [--quick] [--out bench/results-gpu | path.json]
 """
@@ -55,6 +61,9 @@ from bench.common import Goal, Measurement, Progress, json_safe, machine_info, p
 from bench.gpu_iteration import free_memory, lora_settings, memory_limit, rl_iteration, with_lora
 from bench.gpu_speed import GOALS as SPEED_GOALS
 from bench.gpu_speed import generation_row, out_of_memory, trainer_arms, trainer_measurements
+from bench.gpu_trl import GOAL as TRL_GOAL
+from bench.gpu_trl import trl_row
+from bench.gpu_trl import words as trl_words
 from bench.gpu_workload import QWEN_05B, QWEN_15B, TINY, TINY_LORA, shaped_model, shaped_tokenizer
 from bench.workload import synthetic_task
 
@@ -67,8 +76,9 @@ GOALS = {
     "iteration_24gib_seconds": Goal("the same, process limited to 24 GiB (runs)", "<=", 60),
     "lora_24gib_seconds": Goal("LoRA iteration, Qwen2.5-1.5B shape, limited to 24 GiB: runs (seconds, within "
                                "the script's 5 minutes)", "<=", 300),
+    "trl_vs_ours": TRL_GOAL,
 }
-ROW_GROUPS = ("trainer", "generate", "iteration", "lora")
+ROW_GROUPS = ("trainer", "generate", "iteration", "lora", "trl")
 # --threads 1: tiny ops on a shared CPU run 10x slower with torch's threads waiting for each other
 QUICK = dict(episodes=4, steps=2, prompt_len=24, response_len=8, obs_len=8, sizes="64,256", plain_tokens=64, threads=1,
              updates=1, gen_batch=4, gen_new_tokens=8, gen_prompt_len=8, repeats=1, prompts=2, group_size=2,
@@ -103,7 +113,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     add("--kl-coef", type=float, default=0.001,
         help="iteration rows: KL-to-reference loss weight (needs reference log-probs)")
     add("--limit-gib", type=float, default=24.0, help="the memory limit of the *_24gib rows")
-    add("--only", default=None, help="comma list of row groups to run: trainer, generate, iteration, lora")
+    add("--only", default=None, help="comma list of row groups to run: trainer, generate, iteration, lora, trl")
     add("--seed", type=int, default=0)
     add("--threads", type=int, default=None, help="torch intra-op CPU threads (default torch's; --quick: 1)")
     args = parse_args(parser, argv, QUICK)
@@ -193,6 +203,8 @@ def measured(m: Measurement) -> str:
         return f"{default['tokens_per_s']:,.0f} tokens/s (MFU {m.details['mfu'].get('default')})"
     if not math.isfinite(m.ratio):
         return f"not measured: {m.why_missed[:120]}"
+    if m.key == "trl_vs_ours":
+        return trl_words(m)
     if m.key.endswith("seconds"):
         return f"{m.ratio:.1f} s (stages {m.details['stage_seconds']}; peak {m.details['peak_gib']} GiB)"
     return f"{m.ratio:.3f}"
@@ -230,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     progress = Progress(NAME)
     device = resolve_device(args.device)
-    groups = set((args.only or ",".join(ROW_GROUPS)).split(","))
+    groups = set(args.only.split(",")) if args.only else set(ROW_GROUPS) - ({"trl"} if args.quick else set())
     shape, lora_shape = (TINY, TINY_LORA) if args.quick else (QWEN_05B, QWEN_15B)
     task = synthetic_task(args.seed, small=args.quick)
     tokenizer = shaped_tokenizer(task, shape.vocab)
@@ -250,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     free_memory(device)
     if "lora" in groups:
         found.append(lora_row(lora_shape, tokenizer, task, args, device, progress))
+    if "trl" in groups:
+        found.append(trl_row(shape, tokenizer, task, args, device, progress))
     path = write(result_path(args, device), found, args, argv, progress.elapsed, notes=(
         f"{card_name(device)}; {shape.name} and {lora_shape.name} shapes, random weights; torch {torch.__version__}. "
         "Goals are issue 30's, for an H100; with --quick the numbers mean nothing."))
