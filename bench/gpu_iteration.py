@@ -188,15 +188,18 @@ def memory_limit(device: torch.device, gib: float | None):
     if gib is None or device.type != "cuda":
         return nullcontext()
 
+    # the fraction's setter wants an index: torch.device("cuda") (the current card) raises ValueError
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
     @contextmanager
     def limited():
         free_memory(device)
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), device)
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), index)
         try:
             yield
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
 
     return limited()
 
