@@ -12,6 +12,9 @@ Placement and colocation, on entry: `device` is the run's `device` setting resol
 runtime.keep_policy_in_memory and training in this process, hf engines borrow the trainer's resident
 policy (`engines.lending(resident.lend)`): one copy of the weights on the device, no reload per
 rollout; the module generates in eval mode without autograd and goes back to the trainer as it came.
+Where the engine samples in another dtype than the trainer keeps (bf16 on CUDA, rollout.hf.dtype), it
+gets the run's inference copy of the policy instead, refreshed from the resident module before each
+rollout (agent_core/rollout/inference_copy.py); the copy is freed with the resident policy.
 
 Between rollout and training, `after_rollout` hands cached device memory back (the engine's KV
 cache is garbage once it is closed), so the trainer's micro-batches get it.
@@ -40,6 +43,7 @@ from agent_core.devices import resolve_device
 from agent_core.envs.search import clear_shared_indexes
 from agent_core.io import background
 from agent_core.rollout import engines
+from agent_core.rollout.inference_copy import CopyLease, InferenceCopy, parameter_dtype
 from agent_core.training import resident
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,7 @@ class RunResources:
         # One process trains and generates: the engine may borrow the trainer's module.
         self.colocated = config.runtime.keep_policy_in_memory and config.cluster.address is None
         self._stack: ExitStack | None = None
+        self._copies: dict[torch.dtype, InferenceCopy] = {}  # the engines' bf16 copies of the policy (on CUDA)
 
     def __enter__(self) -> "RunResources":
         self.device = resolve_device(self.device_setting)
@@ -63,8 +68,19 @@ class RunResources:
             self._stack.enter_context(engines.lending(self._lend))
         return self
 
-    def _lend(self, policy_dir: Path, device: torch.device):
-        return resident.lend(policy_dir, device)
+    def _lend(self, policy_dir: Path, device: torch.device, dtype: torch.dtype):
+        """The resident policy itself when the engine samples in its dtype; else the run's inference copy
+        of it in `dtype`, refreshed from it now (None while that copy is still in use: the engine loads)."""
+        lease = resident.lend(policy_dir, device)
+        if lease is None or parameter_dtype(lease.model) == dtype:
+            return lease
+        try:
+            if dtype not in self._copies:
+                self._copies[dtype] = InferenceCopy(dtype)
+            module = self._copies[dtype].refresh(lease.model)
+        finally:
+            lease.release()  # the copy is the engine's: the trainer may take its module back at once
+        return None if module is None else CopyLease(module, lease.tokenizer, self._copies[dtype])
 
     def after_rollout(self) -> None:
         """Between a rollout and the training after it: give the allocator's cached blocks (the
@@ -101,4 +117,7 @@ class RunResources:
                 self._stack.close()  # the engines' lender
         finally:
             self._stack = None
+            for inference_copy in self._copies.values():
+                inference_copy.close()
+            self._copies.clear()
             resident.forget()

@@ -20,8 +20,9 @@ warm-up iteration of the smallest size runs first; then every point runs --repea
 points taking turns (round r runs each point once), and each point's median seconds are used (one
 iteration of the smallest point takes ~0.2 s: single runs are at the mercy of the machine). The
 details also count the context tokens the engine prefilled (`prefill_tokens`: the prompt ids of
-every step): with the hf engine, which keeps no KV cache between an episode's turns, they grow
-faster than the agent steps on the steps axis, since each turn's context holds the turns before it.
+every step less those its kept KV caches held, `reused_tokens`): the engine is built as rollout.hf
+configures it, with KV reuse across an episode's turns (`--no-kv-reuse`: every turn's whole context
+is prefilled, and prefilling grows faster than the agent steps on the steps axis).
 Default sizes take about 20 seconds on 2 cores.
 """
 
@@ -65,6 +66,8 @@ def arguments(argv: list[str] | None):
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="padded tokens per micro-batch")
     parser.add_argument("--policy", choices=sorted(POLICY_SIZES), default="demo", help="policy size")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task, the weights and the sampling")
+    parser.add_argument("--no-kv-reuse", action="store_true", help="the hf engine prefills every turn's whole "
+                        "context (rollout.hf.kv_reuse: false), as before KV reuse")
     parser.add_argument("--repeats", type=int, default=5, help="iterations per point (taking turns); the median is used")
     args = parse_args(parser, argv, QUICK)
     args.episode_sizes, args.step_sizes = _sizes(args.episodes), _sizes(args.steps)
@@ -91,12 +94,14 @@ def train_steps(records, seed: int) -> list[list[TrainStep]]:
 def one_iteration(base_model, tokenizer, task, args, episodes: int, steps: int) -> dict:
     """Rollout + one update from the initial weights; seconds of each part and the work done."""
     model = fresh_copy(base_model)
-    engine = HFEngine(model, tokenizer, max_batch_size=64)
     cfg = rollout_config(group_size=args.group_size, max_steps=steps, max_new_tokens=args.max_new_tokens)
+    cfg = cfg.model_copy(update={"hf": cfg.hf.model_copy(update={"kv_reuse": not args.no_kv_reuse})})
+    engine = HFEngine.configured(model, tokenizer, cfg.hf, max_batch_size=64)  # as the engine factory builds it
     started = time.perf_counter()
     records = roll_out(engine, tokenizer, task.prompts[: episodes // args.group_size], task.documents, cfg,
                        seed=args.seed, policy_version=0, episode_prefix="bench-")
     rollout_seconds = time.perf_counter() - started
+    reused = engine.sessions.reused_tokens if engine.sessions is not None else 0  # context tokens not prefilled
     rows = choose_layout(train_steps(records, args.seed), "auto")
     settings = PPOSettings(micro_batch_tokens=args.micro_batch_tokens)
     started = time.perf_counter()
@@ -104,7 +109,8 @@ def one_iteration(base_model, tokenizer, task, args, episodes: int, steps: int) 
     train_seconds = time.perf_counter() - started
     return {"episodes": episodes, "max_steps": steps, "agent_steps": len(records),
             "generated_tokens": sum(len(r.response_ids) for r in records),
-            "prefill_tokens": sum(len(r.prompt_ids) for r in records), "train_rows": len(rows),
+            "prefill_tokens": sum(len(r.prompt_ids) for r in records) - reused, "reused_tokens": reused,
+            "train_rows": len(rows),
             "train_tokens": sum(len(r) for r in rows), "rollout_seconds": round(rollout_seconds, 3),
             "train_seconds": round(train_seconds, 3), "seconds": round(rollout_seconds + train_seconds, 3)}
 

@@ -136,7 +136,7 @@ def split_prompts(dataset: DatasetUris, split: str, limit: int | None = None) ->
 
 def engine_options(cfg: RolloutConfig, device: str = "auto") -> EngineOptions:
     return EngineOptions(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_context_tokens,
-                         vllm=cfg.vllm, device=device)
+                         vllm=cfg.vllm, hf=cfg.hf, device=device)
 
 
 def on_cluster(cluster: ClusterConfig | None) -> bool:

@@ -48,7 +48,7 @@ def estimator_settings(cfg: AlgorithmConfig) -> dict:
                 whiten=cfg.whiten_advantages, omega=cfg.gigpo_omega)
 
 
-def _critic_values(run: RunLayout, iteration: int, policy_dir: str, batch: EpisodeBatch, micro_batch_tokens: int,
+def _critic_values(run: RunLayout, iteration: int, policy_dir: str, batch: EpisodeBatch, trainer: TrainerConfig,
                    pad_id: int, device: torch.device) -> torch.Tensor:
     """[E, T]: the critic of the iteration before, on the batch's grid (``score_on_grid``)."""
     critic_dir = run.critic_dir_before(iteration)
@@ -58,18 +58,20 @@ def _critic_values(run: RunLayout, iteration: int, policy_dir: str, batch: Episo
         stage_logger("compute_advantages").warning("no critic at %s: starting one from %s", critic_dir, policy_dir)
         critic = build_critic(Path(policy_dir))
     critic.to(device)
-    return score_on_grid(batch, lambda contexts: score_values(critic, contexts, pad_id, micro_batch_tokens))
+    return score_on_grid(batch, lambda contexts: score_values(critic, contexts, pad_id, trainer.micro_batch_tokens,
+                                                              trainer.precision))
 
 
-def _reference_logprobs(run: RunLayout, rows: Sequence[dict], micro_batch_tokens: int, temperature: float,
+def _reference_logprobs(run: RunLayout, rows: Sequence[dict], trainer: TrainerConfig, temperature: float,
                         device: torch.device, policy_dir: str) -> list[list[float]]:
     """The frozen reference policy's log-probs of each step's response tokens (with LoRA: the policy's
     module kept in memory with its adapter disabled, where there is one: training/lora.py)."""
     sequences = [r["prompt_ids"] + r["response_ids"] for r in rows]
     with reference_policy(run.reference_policy_dir, Path(policy_dir),
                           lambda directory: load_policy(directory, device=device)) as (reference, tokenizer):
-        scored = score_logprobs(reference, sequences, tokenizer.pad_token_id, micro_batch_tokens, temperature,
-                                starts=[len(r["prompt_ids"]) for r in rows])  # only the responses get logits
+        scored = score_logprobs(reference, sequences, tokenizer.pad_token_id, trainer.micro_batch_tokens, temperature,
+                                starts=[len(r["prompt_ids"]) for r in rows],  # only the responses get logits
+                                precision=trainer.precision)  # as the trainer computes its own log-probs
     return [per_token[len(r["prompt_ids"]):] for r, per_token in zip(rows, scored)]
 
 
@@ -99,7 +101,8 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
         inputs={"steps": steps_uri, "rewards": rewards_uri, "policy": run.policy_dir_before(iteration),
                 "reference": run.reference_policy_dir if uses_reference else None,
                 "critic": run.critic_dir_before(iteration) if uses_critic else None},
-        params={"algorithm": cfg, "micro_batch_tokens": trainer.micro_batch_tokens, "temperature": temperature},
+        params={"algorithm": cfg, "micro_batch_tokens": trainer.micro_batch_tokens, "temperature": temperature,
+                "precision": trainer.precision},
     )
     if (done := completed_outputs(record, resume, f"iteration {iteration} advantages")) is not None:
         return done["advantages"]
@@ -110,10 +113,10 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
     values = ref_logprobs = penalty = None
     if uses_critic:
         pad_id = load_tokenizer(Path(policy_dir)).pad_token_id  # the tokenizer only: no model loaded for it
-        values = _critic_values(run, iteration, policy_dir, batch, trainer.micro_batch_tokens, pad_id,
+        values = _critic_values(run, iteration, policy_dir, batch, trainer, pad_id,
                                 resolve_device(device))
     if uses_reference:
-        ref_logprobs = _reference_logprobs(run, rows, trainer.micro_batch_tokens, temperature or 1.0,
+        ref_logprobs = _reference_logprobs(run, rows, trainer, temperature or 1.0,
                                            resolve_device(device), policy_dir)
         if cfg.kl_in_reward:
             penalty = _kl_penalty_grid(batch, rows, ref_logprobs, cfg.kl_coef, cfg.kl_estimator)

@@ -25,7 +25,7 @@ from agent_core.config.loading import MOVED_KEYS, apply_overrides, parse_config
 from agent_core.config.pipeline import PipelineConfig
 from agent_core.config.policy import PolicyConfig, PolicyLoraConfig
 from agent_core.config.reward import RewardConfig
-from agent_core.config.rollout import RolloutConfig, VLLMConfig
+from agent_core.config.rollout import HFEngineConfig, RolloutConfig, VLLMConfig
 from agent_core.config.runtime import RuntimeConfig
 from agent_core.config.tracking import TrackingConfig
 from agent_core.config.trainer import TrainerConfig
@@ -34,7 +34,8 @@ from agent_core.config_errors import ConfigError  # re-exported: callers catch i
 
 __all__ = [
     "AlgorithmConfig", "AuditConfig", "BOUND_KEYS", "CheckBounds", "ClusterConfig", "ConfigError", "CostConfig",
-    "CriticConfig", "DataConfig", "DevEvalConfig", "MOVED_KEYS", "PipelineConfig", "PolicyConfig", "PolicyLoraConfig",
-    "RewardConfig", "RolloutConfig", "RuntimeConfig", "TrackingConfig", "TrainerConfig", "UserCheck", "VLLMConfig",
+    "CriticConfig", "DataConfig", "DevEvalConfig", "HFEngineConfig", "MOVED_KEYS", "PipelineConfig", "PolicyConfig",
+    "PolicyLoraConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "TrackingConfig", "TrainerConfig", "UserCheck",
+    "VLLMConfig",
     "WarmStartConfig", "apply_overrides", "parse_config",
 ]

@@ -54,6 +54,25 @@ class VLLMConfig(_Section):
         return self
 
 
+class HFEngineConfig(_Section):
+    """How the in-process engine (rollout.engine: hf, transformers `generate`) samples
+    (agent_core/rollout/hf_engine.py)."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="the weights it samples with: auto is bfloat16 on CUDA (a bf16 copy of the trainer's "
+        "module, refreshed before each rollout: the weights the trainer's bf16 autocast uses) and float32 on the CPU")
+    kv_reuse: bool = Field(
+        True, description="keep each episode's KV cache between its turns and prefill only what a turn appended "
+        "(the response and the observation); contexts that are rewritten (context_mode: last_k) are prefilled whole")
+    kv_reuse_gib: float = Field(
+        4.0, gt=0, description="most memory (GiB, on the engine's device) that kept KV caches may hold across "
+        "episodes; the least recently used episode's cache is dropped beyond it (prefilled whole on its next turn)")
+    cache: Literal["dynamic", "static"] = Field(
+        "dynamic", description="static: a preallocated KV cache per call, with transformers' compiled decode step on "
+        "CUDA (no KV reuse across turns); dynamic: transformers' growing cache. A model that has no static cache falls "
+        "back to dynamic with a warning")
+
+
 class RolloutConfig(_Section):
     """How episodes are generated: the engine, group size, per-episode budgets, sampling and the env
     (agent_core/rollout; loop settings and sampling come from agent_core/rollout/spec.py)."""
@@ -61,6 +80,7 @@ class RolloutConfig(_Section):
     engine: str = Field("hf", description="inference engine: hf (transformers, in this process) or vllm (a vLLM "
                         "server, see rollout.vllm); set vllm for larger models")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    hf: HFEngineConfig = Field(default_factory=HFEngineConfig)
     group_size: int = Field(4, ge=1, description="samples per prompt (a GRPO group)")
     max_steps: int = Field(4, ge=1, description="LLM calls per episode before it is cut off")
     max_new_tokens: int = Field(24, ge=1, description="tokens per action")

@@ -241,7 +241,7 @@ def _with_policy(episodes_fn) -> EvalMethod:
         factory = ENGINES.get(settings.engine)
         tokenizer = load_tokenizer(Path(policy_dir))
         options = EngineOptions(max_batch_size=settings.max_batch_size, max_model_len=settings.max_context_tokens,
-                                vllm=settings.vllm, device=settings.device)
+                                vllm=settings.vllm, hf=settings.rollout_config().hf, device=settings.device)
         engine = factory(Path(policy_dir), options)
         try:
             if takes_driver:

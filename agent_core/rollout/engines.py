@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from agent_core.config import VLLMConfig
+from agent_core.config import HFEngineConfig, VLLMConfig
 from agent_core.devices import resolve_device
 from agent_core.io.checkpoints import load_policy, load_tokenizer
 from agent_core.registry import Registry
@@ -32,20 +32,23 @@ from agent_core.rollout.engine import Engine
 class EngineOptions:
     """max_batch_size: sequences per forward pass (per request for vLLM). max_model_len: the longest
     context + action the engine must hold (vLLM sizes its server by it). vllm: how a vLLM server runs (the config's rollout.vllm).
+    hf: how the in-process engine samples (rollout.hf: its dtype, KV reuse, cache).
     device: where an in-process model lives (the run's `device` setting, resolved when built)."""
 
     max_batch_size: int = 64
     max_model_len: int = 2048
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    hf: HFEngineConfig = field(default_factory=HFEngineConfig)
     device: str = "auto"
 
 
 EngineFactory = Callable[[Path, EngineOptions], Engine]
 ENGINES: Registry[EngineFactory] = Registry("engine")
 
-# (checkpoint directory, device) -> a lease (.model, .tokenizer, .release()) on a module already in
-# memory, or None; set only inside `lending` (a run's resources), never left behind.
-Lender = Callable[[Path, torch.device], object | None]
+# (checkpoint directory, device, dtype) -> a lease (.model, .tokenizer, .release()) on a module already in
+# memory whose parameters are in that dtype (the trainer's own, or its inference copy), or None; set only
+# inside `lending` (a run's resources), never left behind.
+Lender = Callable[[Path, torch.device, torch.dtype], object | None]
 _lender: Lender | None = None
 
 
@@ -63,13 +66,17 @@ def lending(lender: Lender) -> Iterator[None]:
 @ENGINES.register("hf")
 def _hf_engine(policy_dir: Path, options: EngineOptions) -> Engine:
     from agent_core.rollout.hf_engine import HFEngine  # transformers: imported only when an hf engine is built
+    from agent_core.rollout.inference_copy import cast_parameters, inference_dtype
 
     device = resolve_device(options.device)
-    lease = _lender(Path(policy_dir), device) if _lender is not None else None
-    if lease is not None:  # the trainer's own module: one copy of the weights, no reload
-        return HFEngine(lease.model, lease.tokenizer, max_batch_size=options.max_batch_size, release=lease.release)
+    dtype = inference_dtype(options.hf.dtype, device)
+    lease = _lender(Path(policy_dir), device, dtype) if _lender is not None else None
+    if lease is not None:  # the trainer's module, or its inference copy: no reload
+        return HFEngine.configured(lease.model, lease.tokenizer, options.hf, max_batch_size=options.max_batch_size,
+                                   release=lease.release)
     model, tokenizer = load_policy(policy_dir, device=device)
-    return HFEngine(model, tokenizer, max_batch_size=options.max_batch_size)
+    return HFEngine.configured(cast_parameters(model, dtype), tokenizer, options.hf,
+                               max_batch_size=options.max_batch_size)
 
 
 @ENGINES.register("vllm")

@@ -11,6 +11,12 @@ Generation is fully specified by an explicit GenerationConfig; the model's own g
 is set aside during the call, so no checkpoint default (top_k=50, repetition penalty, min_p)
 silently changes what is sampled.
 
+KV reuse (`kv_reuse_bytes` > 0, rollout.hf.kv_reuse): the engine keeps each session's (episode's)
+cache between calls and prefills only what its next prompt appended (agent_core/rollout/kv_reuse.py);
+the agent loop and the gateway name each prompt's session (`routes_sessions`). Static cache
+(`cache="static"`): a preallocated cache of a bucketed length per call, so transformers compiles its
+decode step once per bucket on CUDA; a model without one falls back to the dynamic cache.
+
 A seeded call samples each prompt from its own random stream (`_PerPromptSampler`): prompt i's
 tokens come from a generator seeded with its seed (`seeds_of`), drawn on the CPU, so they do not
 depend on which prompts share the call or its `max_batch_size` chunk, and the global RNG is never
@@ -20,6 +26,7 @@ touched. An unseeded call samples with transformers' own multinomial from the gl
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Sequence
 
 import torch
@@ -27,8 +34,14 @@ from transformers import (
     GenerationConfig, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper,
 )
 
+from agent_core.config import HFEngineConfig
 from agent_core.rollout.chat import eos_token_ids
 from agent_core.rollout.engine import Generation, SamplingParams, check_request, seeds_of
+from agent_core.rollout.kv_reuse import KeptCache, SessionCaches, cut_rows, layout
+
+log = logging.getLogger(__name__)
+CACHES = ("dynamic", "static")
+STATIC_BUCKET = 256  # static cache lengths are rounded up to this: one compiled decode step per bucket
 
 
 class HFEngine:
@@ -44,11 +57,19 @@ class HFEngine:
     An unseeded call samples from the global RNG, and its samples depend on the batch.
     """
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int = 64, release: Callable[[], None] | None = None):
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 64, release: Callable[[], None] | None = None,
+                 kv_reuse_bytes: int = 0, cache: str = "dynamic"):
         """release: called once by `close()`, for a module the engine borrowed (the trainer's resident
-        policy, agent_core/training/resident.py) rather than loaded."""
+        policy, agent_core/training/resident.py) rather than loaded. kv_reuse_bytes: most bytes of
+        sessions' caches kept between calls (0: none kept). cache: dynamic or static (module docstring)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if cache not in CACHES:
+            raise ValueError(f"unknown cache {cache!r}; choose one of {', '.join(CACHES)}")
+        self.cache = cache
+        # a static cache is preallocated per call: kept caches cannot join it
+        self.sessions = SessionCaches(kv_reuse_bytes) if kv_reuse_bytes > 0 and cache == "dynamic" else None
+        self.routes_sessions = self.sessions is not None
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -58,15 +79,29 @@ class HFEngine:
             raise ValueError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
         self.pad_token_id = pad
 
+    @classmethod
+    def configured(cls, model, tokenizer, settings: HFEngineConfig, *, max_batch_size: int = 64,
+                   release: Callable[[], None] | None = None) -> "HFEngine":
+        """The engine as `rollout.hf` configures it (its cache and KV reuse; the dtype is the caller's:
+        it decides which module is passed): the one construction the factory and the benchmarks share."""
+        return cls(model, tokenizer, max_batch_size=max_batch_size, release=release, cache=settings.cache,
+                   kv_reuse_bytes=int(settings.kv_reuse_gib * 2**30) if settings.kv_reuse else 0)
+
     def close(self) -> None:
         """Give a borrowed module back (nothing for one the engine loaded); the engine is not used after."""
+        if self.sessions is not None:
+            self.sessions.clear()
         release, self._release = self._release, None
         if release is not None:
             release()
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """One continuation per prompt, in order (see the Engine protocol)."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 sessions: Sequence[str] | None = None) -> list[Generation]:
+        """One continuation per prompt, in order (see the Engine protocol). sessions: the episode of
+        each prompt, whose kept cache the call may continue (KV reuse; ignored without it)."""
         check_request(prompts, params)
+        if sessions is not None and len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts; give one per prompt")
         if not prompts:
             return []
         stop_ids = tuple(params.stop_token_ids) or eos_token_ids(self.tokenizer)
@@ -78,11 +113,13 @@ class HFEngine:
         with self._generation_mode():
             for start in range(0, len(prompts), self.max_batch_size):
                 chunk = prompts[start : start + self.max_batch_size]
+                chunk_sessions = None if sessions is None else sessions[start : start + len(chunk)]
                 sampler = None
                 if generators is not None:
                     rows = generators[start : start + len(chunk)]
                     sampler = _PerPromptSampler(rows, params.temperature, params.top_p)
-                results.extend(self._generate_batch(chunk, config, params.temperature, stop_ids, sampler))
+                results.extend(self._generate_batch(chunk, config, params.temperature, stop_ids, sampler,
+                                                    chunk_sessions))
         return results
 
     def _generation_config(
@@ -114,16 +151,55 @@ class HFEngine:
         temperature: float,
         stop_ids: tuple[int, ...],
         sampler: _PerPromptSampler | None,
+        sessions: Sequence[str] | None = None,
     ) -> list[Generation]:
-        input_ids, attention_mask = _left_pad(prompts, self.pad_token_id, self.model.device)
+        keep = self.sessions is not None and sessions is not None
+        kept = [self.sessions.take(s, p) for s, p in zip(sessions, prompts)] if keep else [None] * len(prompts)
+        extra = {}
+        if any(k is not None for k in kept):
+            input_ids, attention_mask, past = layout(prompts, kept, self.pad_token_id, self.model.device)
+            extra["past_key_values"] = _dynamic_cache(past)
+        else:
+            input_ids, attention_mask = _left_pad(prompts, self.pad_token_id, self.model.device)
+            if self.cache == "static":
+                extra = self._static_cache(input_ids.shape, config.max_new_tokens)
         processors = LogitsProcessorList([sampler] if sampler is not None else [])
-        out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, logits_processor=processors
-        )
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                  logits_processor=processors, **extra)
         # out.logits are the raw logits, taken before any logits processor (the sampler included)
         new_tokens = out.sequences[:, input_ids.shape[1] :]  # (B, T): T = steps taken by the longest
         logprobs = _sampled_logprobs(out.logits, new_tokens, temperature)  # (B, T)
-        return [_cut_at_stop(ids, lps, stop_ids) for ids, lps in zip(new_tokens.tolist(), logprobs.tolist())]
+        results = [_cut_at_stop(ids, lps, stop_ids) for ids, lps in zip(new_tokens.tolist(), logprobs.tolist())]
+        if keep:
+            self._keep(sessions, prompts, results, out, attention_mask)
+        return results
+
+    def _keep(self, sessions, prompts, results: list[Generation], out, attention_mask: torch.Tensor) -> None:
+        """Each session's cache after the call, for its next turn (agent_core/rollout/kv_reuse.py)."""
+        layers = _cache_layers(getattr(out, "past_key_values", None))
+        if layers is None:  # a cache kind this engine cannot cut rows from: reuse stays off for the model
+            log.warning("hf engine: %s returned no plain dynamic KV cache; KV reuse is off",
+                        type(self.model).__name__)
+            self.sessions, self.routes_sessions = None, False
+            return
+        rows = cut_rows(layers, attention_mask, prompts, [g.token_ids for g in results])
+        for session, row in zip(sessions, rows):
+            if row is not None:
+                self.sessions.put(session, row)
+
+    def _static_cache(self, shape: torch.Size, max_new_tokens: int) -> dict:
+        """past_key_values: a StaticCache of the call's length rounded up to STATIC_BUCKET (one compiled
+        decode step per bucket); {} with a warning, once, where the model has none (dynamic fallback)."""
+        from transformers import StaticCache
+
+        length = -(-(shape[1] + max_new_tokens) // STATIC_BUCKET) * STATIC_BUCKET
+        try:
+            return {"past_key_values": StaticCache(config=self.model.config, max_cache_len=length)}
+        except Exception as error:  # noqa: BLE001  (any model without a static cache: fall back, say so)
+            log.warning("hf engine: no static cache for %s (%s: %s); using the dynamic cache",
+                        type(self.model).__name__, type(error).__name__, error)
+            self.cache = "dynamic"
+            return {}
 
     @contextlib.contextmanager
     def _generation_mode(self):
@@ -141,6 +217,23 @@ class HFEngine:
             self.model.generation_config = model_config
             for name, sub in self.model.named_modules():
                 sub.training = modes.get(name, sub.training)
+
+
+def _dynamic_cache(past: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A transformers DynamicCache holding `past` (per layer keys, values [B, heads, W, head_dim])."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=past)
+
+
+def _cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Per layer (keys, values) of a plain DynamicCache, else None (sliding-window, quantized, other kinds)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    if type(cache) is not DynamicCache or not all(type(layer) is DynamicLayer for layer in cache.layers):
+        return None
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

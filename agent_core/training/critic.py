@@ -79,8 +79,10 @@ def load_critic(directory: Path, *, dtype: torch.dtype = torch.float32) -> Value
 
 
 def score_values(
-    critic: ValueModel, sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int
+    critic: ValueModel, sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int, precision: str = "fp32"
 ) -> list[list[float]]:
-    """Per-token values of each token sequence (position 0: 0.0), micro-batched by tokens, no grad."""
+    """Per-token values of each token sequence (position 0: 0.0), micro-batched by tokens, no grad, under
+    the trainer's `precision`."""
     return score_in_micro_batches(sequences, pad_id, max_tokens,
-                                  lambda batch: critic.values(batch.input_ids, batch.attention_mask), critic)
+                                  lambda batch: critic.values(batch.input_ids, batch.attention_mask), critic,
+                                  precision=precision)

@@ -149,7 +149,7 @@ def pending_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def resolve_micro_batch_tokens(module: torch.nn.Module, tokens: int | Auto, logits: int | Auto, *, training: bool,
                                precision: str = "fp32", checkpointing: bool = False, pending_bytes: int = 0,
-                               loss_fraction: float = 1.0) -> int:
+                               loss_fraction: float = 1.0, maximum: int = MAX_TOKENS) -> int:
     """The micro-batch token budget for `module` on its device.
 
     Off CUDA (or for a model without a readable shape): `tokens` ("auto": 8,192) capped by
@@ -164,5 +164,5 @@ def resolve_micro_batch_tokens(module: torch.nn.Module, tokens: int | Auto, logi
         return vocab_capped_tokens(tokens, vocab, logits)
     budget = micro_batch_token_budget(free, shape, pending_bytes=pending_bytes, precision=precision,
                                       checkpointing=checkpointing, loss_fraction=loss_fraction, training=training,
-                                      explicit=None if tokens == AUTO else tokens)
+                                      explicit=None if tokens == AUTO else tokens, maximum=maximum)
     return budget if logits == AUTO else vocab_capped_tokens(budget, vocab, logits)

@@ -138,15 +138,17 @@ def offer(path, model, tokenizer) -> None:
         _offer = Offer(key, _stamp((key,)), model, tokenizer)
 
 
-def lend(path, device: torch.device | None = None) -> Lease | None:
-    """A lease on the offered module if it was saved to `path`, that directory is unchanged since, and
-    it lives on `device` (None: anywhere); else None (the caller loads the checkpoint)."""
+def lend(path, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Lease | None:
+    """A lease on the offered module if it was saved to `path`, that directory is unchanged since, it
+    lives on `device` and its parameters are `dtype` (None: any); else None (the caller loads the checkpoint)."""
     key = _key([path])[0]
     with _lock:
         found = _offer
         if found is None or found.path != key or found.stamp != _stamp((key,)) or not all(found.stamp):
             return None
         if device is not None and not _on(found.model, device):
+            return None
+        if dtype is not None and next(found.model.parameters()).dtype != dtype:
             return None
         _lent[id(found.model)] = _lent.get(id(found.model), 0) + 1
         return Lease(found.model, found.tokenizer)

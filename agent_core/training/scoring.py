@@ -25,7 +25,11 @@ from agent_core.training.memory import (  # noqa: F401  (vocab_capped_tokens, MA
     AUTO, MAX_LOGIT_ELEMENTS, Auto, resolve_micro_batch_tokens, vocab_capped_tokens,
 )
 from agent_core.training.oom import TokenBudget, run_with_splits
+from agent_core.training.precision import autocast, resolve_precision
 from agent_core.training.prepared import split_rows
+
+# No graph is kept while scoring, so a micro-batch may hold more tokens than a training one (memory.py's MAX_TOKENS).
+SCORING_MAX_TOKENS = 65536
 
 
 def model_vocab_size(model: torch.nn.Module) -> int:
@@ -132,19 +136,20 @@ def _placed(values: torch.Tensor, targets: torch.Tensor, attention_mask: torch.T
 def score_in_micro_batches(
     sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int | Auto,
     score: Callable[[PaddedBatch], torch.Tensor], module: torch.nn.Module,
-    starts: Sequence[int] | None = None,
+    starts: Sequence[int] | None = None, precision: str = "fp32",
 ) -> list[list[float]]:
     """No-grad, eval-mode per-token scores [B, L] -> one list per sequence (same length as it).
 
     Sequences are grouped into right-padded micro-batches of <= max_tokens padded tokens ("auto":
-    ``memory.resolve_micro_batch_tokens`` for the module, scoring); `score` gets each as a
-    PaddedBatch whose response_start holds `starts` (the first position a caller needs; default:
-    1). A micro-batch that runs out of device memory is split in two and retried
-    (``oom.run_with_splits``). The module's train/eval mode is restored afterwards.
+    ``scoring_micro_batch_tokens``); `score` gets each as a PaddedBatch whose response_start holds
+    `starts` (the first position a caller needs; default: 1), under the trainer's `precision` (its
+    bf16 autocast, so scores are what the trainer computes, at its speed). A micro-batch that runs
+    out of device memory is split in two and retried (``oom.run_with_splits``). The module's
+    train/eval mode is restored afterwards.
     """
-    if max_tokens == AUTO:
-        max_tokens = resolve_micro_batch_tokens(module, AUTO, AUTO, training=False)
     device = next(module.parameters()).device
+    if max_tokens == AUTO:
+        max_tokens = scoring_micro_batch_tokens(module, AUTO, precision)
     out: list[list[float]] = [[] for _ in sequences]
     batches = []
     for group in token_budget_groups([len(s) for s in sequences], max_tokens):
@@ -156,7 +161,7 @@ def score_in_micro_batches(
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast(device, precision):
             scored = run_with_splits(batches, lambda batch: (batch.indices, score(batch).float().cpu()),
                                      TokenBudget(max_tokens), split_rows)
             for indices, scores in scored:
@@ -167,14 +172,25 @@ def score_in_micro_batches(
     return out
 
 
+def scoring_micro_batch_tokens(module: torch.nn.Module, max_tokens: int | Auto, precision: str = "fp32",
+                               loss_fraction: float = 1.0) -> int:
+    """Padded tokens per scoring micro-batch: `max_tokens` when set; "auto" is sized like training's, from
+    the device's free memory and the precision on CUDA (no graph kept, up to SCORING_MAX_TOKENS), 8,192
+    capped by the logits off CUDA (``memory.resolve_micro_batch_tokens``)."""
+    device = next(module.parameters()).device
+    return resolve_micro_batch_tokens(module, max_tokens, AUTO, training=False, loss_fraction=loss_fraction,
+                                      precision=resolve_precision(precision, device), maximum=SCORING_MAX_TOKENS)
+
+
 def score_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], pad_id: int, max_tokens: int | Auto,
-                   temperature: float, starts: Sequence[int] | None = None) -> list[list[float]]:
+                   temperature: float, starts: Sequence[int] | None = None, precision: str = "fp32") -> list[list[float]]:
     """Per-token log-probs of each token sequence under `model` (position 0: 0.0), batched, no grad.
 
     starts: per sequence, the first position whose log-prob is wanted (e.g. a response's first
     token); earlier positions hold 0.0 and, with a plain-head model, get no logits at all.
-    max_tokens: padded tokens per micro-batch, or "auto" (``memory.resolve_micro_batch_tokens``:
-    8,192 on the CPU, the device's free memory on CUDA); off CUDA it is capped at 2**26 logits.
+    max_tokens: padded tokens per micro-batch, or "auto" (``scoring_micro_batch_tokens``: 8,192 on the
+    CPU, the device's free memory on CUDA); off CUDA it is capped at 2**26 logits. precision: the
+    trainer's (fp32, bf16, auto), so reference and old log-probs are computed as training computes them.
     """
     def score(batch: PaddedBatch) -> torch.Tensor:
         if starts is None:
@@ -188,8 +204,8 @@ def score_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], p
         return logprobs * wanted
 
     fraction = 1.0 if starts is None else _scored_fraction(sequences, starts)
-    max_tokens = resolve_micro_batch_tokens(model, max_tokens, AUTO, training=False, loss_fraction=fraction)
-    return score_in_micro_batches(sequences, pad_id, max_tokens, score, model, starts)
+    max_tokens = scoring_micro_batch_tokens(model, max_tokens, precision, loss_fraction=fraction)
+    return score_in_micro_batches(sequences, pad_id, max_tokens, score, model, starts, precision)
 
 
 def _scored_fraction(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> float:

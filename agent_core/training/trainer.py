@@ -54,6 +54,7 @@ from agent_core.failpoints import failpoint
 from agent_core.progress import report
 from agent_core.training.batches import PaddedBatch, TrainSequence
 from agent_core.training.data_parallel import DataParallel
+from agent_core.training.memory import AUTO
 from agent_core.training.oom import RestartStep, TokenBudget, backward, run_with_splits
 from agent_core.training.precision import activation_checkpointing, autocast
 from agent_core.training.prepared import Prepared, prepare_update, split_rows, training_micro_batch_tokens
@@ -335,8 +336,10 @@ def train_iteration(
     micro_batch_tokens = _micro_batch_tokens(policy, policy_optimizer, sequences, s, critic, critic_optimizer)
     budget = TokenBudget(micro_batch_tokens)  # shared by the updates: a split carries over to the next
     if s.recompute_old_logprobs:  # every rank scores all sequences: no collective, same old log-probs
-        fresh = score_logprobs(policy, [q.input_ids for q in sequences], pad_id, micro_batch_tokens, s.temperature,
-                               starts=[q.region_start for q in sequences])  # the loss never reads earlier ones
+        scoring_tokens = micro_batch_tokens if s.micro_batch_tokens != AUTO else AUTO  # auto: scoring's own size
+        fresh = score_logprobs(policy, [q.input_ids for q in sequences], pad_id, scoring_tokens, s.temperature,
+                               starts=[q.region_start for q in sequences],  # the loss never reads earlier ones
+                               precision=s.precision)
         sequences = [replace(q, old_logprobs=logprobs) for q, logprobs in zip(sequences, fresh)]
     generator = torch.Generator().manual_seed(seed)
     results = []
