@@ -57,7 +57,7 @@ def test_query_on_a_data_root_without_tables(tmp_path, capsys):
     (["rollout.group_size=abc"], "rollout.group_size (set by --set rollout.group_size=abc): got 'abc'; it must be a valid integer"),
     (["policy.source=pth"], "policy.source (set by --set policy.source=pth): got 'pth'; it must be 'tiny', 'path' or 'smollm2'"),
     (["rollout.temperature=-1"], "rollout.temperature (set by --set rollout.temperature=-1): got -1; it must be greater than or equal to 0"),
-    (["rollout.group_siz=3"], "unknown config key 'rollout.group_siz'; valid keys here: engine, vllm, group_size"),
+    (["rollout.group_siz=3"], "unknown config key 'rollout.group_siz'; valid keys here: engine, vllm, hf, group_size"),
     (["trainer=3"], "trainer (set by --set trainer=3): got 3; it must be a section"),
     (["algorithm.estimator=grpoo"], "algorithm.estimator (set by --set algorithm.estimator=grpoo): unknown advantage estimator 'grpoo'; valid"),
     (["rollout.env_kwargs={tools: [search"], "override 'rollout.env_kwargs={tools: [search': its value is not valid YAML"),

@@ -51,3 +51,25 @@ def test_memory_limit_is_nothing_off_cuda(cuda_calls):
     with gpu_iteration.memory_limit(torch.device("cuda"), None):
         pass
     assert cuda_calls == []
+
+
+def test_free_bytes_asks_the_fraction_of_the_cards_index(monkeypatch):
+    """agent_core/training/memory.device_free_bytes on torch.device("cuda") (no index): the fraction query
+    gets the current card's index, as its setter needs."""
+    from agent_core.training import memory
+
+    asked = []
+
+    def fraction(device):
+        if torch.device(device).index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        asked.append(torch.device(device).index)
+        return 0.5
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 12 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction)
+    assert memory.device_free_bytes(torch.device("cuda")) == 30 * GIB  # min(60 + 12 - 10, 0.5 * 80 - 10)
+    assert asked == [2]

@@ -267,6 +267,8 @@ class PaddedBatch:
     ref_logprobs, old_values, returns: float32, 0 on padding (None when the sequences have none).
     response_start: int64 [B], where each row's response region starts (``TrainSequence.region_start``).
     indices: position of each row in the list given to ``make_micro_batches``.
+    row_loss_targets: per row, how many of its tokens get logits under the loss mask (set by
+    ``prepared.prepare_update`` from the masks on the host), so the selective LM head needs no host sync.
     """
 
     input_ids: torch.Tensor
@@ -279,6 +281,12 @@ class PaddedBatch:
     ref_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    row_loss_targets: tuple[int, ...] | None = None
+
+    @property
+    def loss_targets(self) -> int | None:
+        """Tokens of the whole batch that get logits under the loss mask (None: not counted)."""
+        return None if self.row_loss_targets is None else sum(self.row_loss_targets)
 
     def to(self, device: torch.device | str) -> "PaddedBatch":
         moved = {name: getattr(self, name) for name in ("input_ids", "attention_mask", "action_mask", "old_logprobs",

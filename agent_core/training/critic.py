@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from agent_core.io.checkpoints import load_critic_parts, load_policy
-from agent_core.training.scoring import score_in_micro_batches, score_logprobs
+from agent_core.training.scoring import model_mask, score_in_micro_batches, score_logprobs
 
 __all__ = ["ValueModel", "value_model_from_policy", "build_critic", "load_critic", "score_logprobs", "score_values"]
 
@@ -45,9 +45,11 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Float32 [B, L]: position t = V(tokens < t) = head(hidden[t - 1]); position 0 and padding 0."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, right_padded: bool = False) -> torch.Tensor:
+        """Float32 [B, L]: position t = V(tokens < t) = head(hidden[t - 1]); position 0 and padding 0.
+        right_padded: the model gets no mask (``scoring.model_mask``)."""
+        mask = model_mask(attention_mask, right_padded)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
         per_state = self.value_head(hidden[:, :-1].float()).squeeze(-1)
         first = per_state.new_zeros(per_state.shape[0], 1)
         return torch.cat([first, per_state], dim=1) * attention_mask.to(torch.float32)
@@ -84,5 +86,5 @@ def score_values(
     """Per-token values of each token sequence (position 0: 0.0), micro-batched by tokens, no grad, under
     the trainer's `precision`."""
     return score_in_micro_batches(sequences, pad_id, max_tokens,
-                                  lambda batch: critic.values(batch.input_ids, batch.attention_mask), critic,
+                                  lambda batch: critic.values(batch.input_ids, batch.attention_mask, right_padded=True), critic,
                                   precision=precision)

@@ -125,6 +125,8 @@ def device_free_bytes(device: torch.device | str) -> int | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
+    if device.index is None:  # get_per_process_memory_fraction wants an index, like its setter (torch 2.11)
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     available = free + torch.cuda.memory_reserved(device) - allocated

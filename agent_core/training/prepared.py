@@ -55,14 +55,26 @@ class Prepared:
 
 def prepare_update(sequences: Sequence[TrainSequence], device, *, pad_id: int, micro_batch_tokens: int,
                    use_loss_mask: bool, use_advantage_mask: bool, norm_length: float | None) -> Prepared:
-    """Micro-batches of `sequences` (<= micro_batch_tokens padded tokens each), masks and normalizers."""
-    batches = [b.to(device) for b in make_micro_batches(sequences, max_tokens=micro_batch_tokens, pad_id=pad_id)]
+    """Micro-batches of `sequences` (<= micro_batch_tokens padded tokens each), masks and normalizers.
+
+    Masks, normalizers and each row's loss-target count are computed on the host before anything moves
+    to the device, so none of them synchronises with it."""
+    batches = make_micro_batches(sequences, max_tokens=micro_batch_tokens, pad_id=pad_id)
     masks = [derive_masks(b.action_mask, b.attention_mask, use_loss_mask=use_loss_mask,
                           use_advantage_mask=use_advantage_mask, response_start=b.response_start) for b in batches]
     kl_masks = [m.loss_mask * b.action_mask for m, b in zip(masks, batches)]
-    return Prepared(batches, masks, Normalizers.over([m.loss_mask for m in masks], norm_length),
-                    Normalizers.over(kl_masks, norm_length),
-                    Normalizers.over([m.advantage_mask for m in masks], norm_length))
+    prepared = Prepared(
+        [replace(b, row_loss_targets=_loss_targets(m, b)).to(device) for b, m in zip(batches, masks)],
+        [Masks(m.loss_mask.to(device), m.advantage_mask.to(device)) for m in masks],
+        Normalizers.over([m.loss_mask for m in masks], norm_length), Normalizers.over(kl_masks, norm_length),
+        Normalizers.over([m.advantage_mask for m in masks], norm_length))
+    return prepared
+
+
+def _loss_targets(masks: Masks, batch: PaddedBatch) -> tuple[int, ...]:
+    """Per row, the tokens `scoring.sequence_logprobs` computes logits for under the loss mask."""
+    targets = (masks.loss_mask[:, 1:] > 0) & (batch.attention_mask[:, 1:] > 0)
+    return tuple(int(n) for n in targets.sum(dim=-1).tolist())
 
 
 def _rows(value, part: slice, width: int):

@@ -60,12 +60,16 @@ def nonfinite_inputs(batches: Iterable, fields: Sequence[str]) -> str | None:
     The whole tensor is checked, not just the masked tokens: outside a mask a value is multiplied
     by 0, and nan * 0 is still nan. Counting per field tells a bad advantage from a bad log-prob.
     """
-    counts: Counter[str] = Counter()
+    named, found = [], []
     for batch in batches:
         for field in fields:
             values = getattr(batch, field)
             if values is not None:
-                counts[field] += int((~torch.isfinite(values)).sum())
+                named.append(field)
+                found.append((~torch.isfinite(values)).sum())
+    counts: Counter[str] = Counter()
+    for field, n in zip(named, torch.stack(found).tolist() if found else []):  # one host sync for all batches
+        counts[field] += int(n)
     bad = [f"{_INPUT_NAMES.get(field, field)}: {n} values" for field, n in counts.items() if n]
     return f"{NONFINITE} inputs ({'; '.join(bad)})" if bad else None
 
@@ -81,6 +85,42 @@ def check_finite_output(values: torch.Tensor, attention_mask: torch.Tensor, what
     if bad:
         raise SkipUpdate(f"{NONFINITE} {what} from the model on {bad} of {int(real.sum())} tokens "
                          "(its weights or activations overflowed)")
+
+
+class FiniteWatch:
+    """`check_finite_output` and the loss check of a step's micro-batches, counted on the device and read
+    once, after the last micro-batch (`reason`): no host synchronisation per micro-batch. A non-finite
+    micro-batch still runs its backward; its step is skipped all the same, before the optimizer sees it."""
+
+    def __init__(self):
+        self._outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # what -> (bad, real) token counts
+        self._loss: torch.Tensor | None = None  # a non-finite loss seen, else 0
+
+    def output(self, values: torch.Tensor, attention_mask: torch.Tensor, what: str) -> None:
+        real = attention_mask > 0
+        bad = (~torch.isfinite(values) & real).sum()
+        before = self._outputs.get(what)
+        self._outputs[what] = (bad, real.sum()) if before is None else (before[0] + bad, before[1] + real.sum())
+
+    def loss(self, loss: torch.Tensor) -> None:
+        loss = loss.detach().float()
+        before = torch.zeros_like(loss) if self._loss is None else self._loss
+        self._loss = torch.where(torch.isfinite(loss), before, loss)
+
+    def reason(self) -> str | None:
+        """The skip reason (a model output first: the model is at fault, not the data), or None; one sync."""
+        parts = [t for pair in self._outputs.values() for t in pair] + ([self._loss] if self._loss is not None else [])
+        if not parts:
+            return None
+        values = torch.stack([t.to(parts[0].device, torch.float64) for t in parts]).tolist()
+        for index, what in enumerate(self._outputs):
+            bad, real = int(values[2 * index]), int(values[2 * index + 1])
+            if bad:
+                return (f"{NONFINITE} {what} from the model on {bad} of {real} tokens "
+                        "(its weights or activations overflowed)")
+        if self._loss is not None and not math.isfinite(values[-1]):
+            return f"{NONFINITE} loss ({values[-1]}) in a micro-batch"
+        return None
 
 
 def is_nonfinite_skip(reason: str | None) -> bool:

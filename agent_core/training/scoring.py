@@ -64,10 +64,19 @@ def _scores(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return scores / temperature if temperature != 1.0 else scores
 
 
+def model_mask(attention_mask: torch.Tensor, right_padded: bool) -> torch.Tensor | None:
+    """The mask to give the model: none for a right-padded batch. Causal attention never lets a real token
+    see the padding after it, so the real positions' outputs are the same, and without a mask the model
+    neither checks the mask on the host (transformers' SDPA mask skip: a sync) nor builds a 4-D mask, and
+    runs its causal attention kernel."""
+    return None if right_padded else attention_mask
+
+
 def _shifted_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    temperature: float) -> torch.Tensor:
+                    temperature: float, right_padded: bool = False) -> torch.Tensor:
     _checked_temperature(temperature)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    mask = model_mask(attention_mask, right_padded)
+    logits = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits[:, :-1]
     return _scores(logits, temperature)
 
 
@@ -84,6 +93,8 @@ def sequence_logprobs(
     temperature: float = 1.0,
     entropy_grad: bool = True,
     positions: torch.Tensor | None = None,
+    position_count: int | None = None,
+    right_padded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies of a causal LM, both float32 [B, L].
 
@@ -94,14 +105,18 @@ def sequence_logprobs(
     positions: optional bool [B, L], the tokens whose values are needed (a loss mask). With a
     plain-head model (``split_lm_head``) only they get logits and every other position holds 0;
     their values equal the full computation's (same gradients too). None: every position.
+    position_count: how many tokens `positions` selects (positions[:, 1:] on real tokens), when the
+    caller knows it on the host: the selection then needs no host synchronisation.
+    right_padded: every row's padding comes after its tokens (``model_mask``: the model gets no mask).
     Memory: log p is logit[target] - logsumexp(logits), so no [B, L, V] log-softmax is built; the
     only full-size copies are the temperature division / float32 upcast (skipped when not needed)
     and the softmax inside the entropy.
     """
     split = split_lm_head(model) if positions is not None else None
     if split is not None:
-        return _selected_logprobs(*split, input_ids, attention_mask, positions, temperature, entropy_grad)
-    scores = _shifted_scores(model, input_ids, attention_mask, temperature)
+        return _selected_logprobs(*split, input_ids, attention_mask, positions, temperature, entropy_grad,
+                                  position_count, right_padded)
+    scores = _shifted_scores(model, input_ids, attention_mask, temperature, right_padded)
     token_logprobs = scores.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
     if entropy_grad:
         entropy = entropy_from_logits(scores)
@@ -113,24 +128,41 @@ def sequence_logprobs(
 
 def _selected_logprobs(backbone: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor,
                        attention_mask: torch.Tensor, positions: torch.Tensor, temperature: float,
-                       entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       entropy_grad: bool, count: int | None = None,
+                       right_padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logprobs` with the LM head run only on the hidden states that predict `positions`."""
     _checked_temperature(temperature)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    mask = model_mask(attention_mask, right_padded)
+    hidden = backbone(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     targets = (positions[:, 1:] > 0) & (attention_mask[:, 1:] > 0)  # token t is predicted by hidden state t - 1
-    scores = _scores(head(hidden[:, :-1][targets]), temperature)  # [N, V], N = selected tokens
-    picked = scores.gather(-1, input_ids[:, 1:][targets].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+    flat = _selected(targets.reshape(-1), count)  # [N] row-major indices into [B, L - 1]
+    selected = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, flat)
+    scores = _scores(head(selected), temperature)  # [N, V], N = selected tokens
+    wanted = input_ids[:, 1:].reshape(-1).index_select(0, flat)
+    picked = scores.gather(-1, wanted.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
     if entropy_grad:
         entropy = entropy_from_logits(scores)
     else:
         with torch.no_grad():
             entropy = entropy_from_logits(scores.detach())
-    return _placed(picked, targets, attention_mask), _placed(entropy, targets, attention_mask)
+    return _placed(picked, flat, targets, attention_mask), _placed(entropy, flat, targets, attention_mask)
 
 
-def _placed(values: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[N] values of the selected tokens -> [B, L] (row-major, as boolean indexing took them; 0 elsewhere)."""
-    return _with_first_position(values.new_zeros(targets.shape).masked_scatter(targets, values), attention_mask)
+def _selected(mask: torch.Tensor, count: int | None) -> torch.Tensor:
+    """Indices of the true entries of a 1-D mask, in order; with their `count` known, without a host sync
+    (`torch.nonzero_static`; plain `nonzero` where a device has no static version)."""
+    if count is not None:
+        try:
+            return torch.nonzero_static(mask, size=count, fill_value=0).squeeze(-1)
+        except (NotImplementedError, RuntimeError):
+            pass
+    return torch.nonzero(mask).squeeze(-1)
+
+
+def _placed(values: torch.Tensor, flat: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[N] values of the selected tokens (at `flat`, row-major indices) -> [B, L]; 0 elsewhere."""
+    placed = values.new_zeros(targets.numel()).index_put((flat,), values).view(targets.shape)
+    return _with_first_position(placed, attention_mask)
 
 
 def score_in_micro_batches(
@@ -195,12 +227,12 @@ def score_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], p
     def score(batch: PaddedBatch) -> torch.Tensor:
         if starts is None:
             ids, mask = batch.input_ids, batch.attention_mask
-            scores = _shifted_scores(model, ids, mask, temperature)
+            scores = _shifted_scores(model, ids, mask, temperature, right_padded=True)
             return _with_first_position(scores.gather(-1, ids[:, 1:, None]).squeeze(-1) - scores.logsumexp(-1), mask)
         columns = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
         wanted = columns[None, :] >= batch.response_start[:, None]
         logprobs, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=temperature,
-                                        entropy_grad=False, positions=wanted)
+                                        entropy_grad=False, positions=wanted, right_padded=True)
         return logprobs * wanted
 
     fraction = 1.0 if starts is None else _scored_fraction(sequences, starts)

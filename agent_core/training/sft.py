@@ -58,7 +58,8 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequences
     optimizer.zero_grad(set_to_none=True)
     nll_sum = 0.0
     for batch, target in zip(batches, targets):
-        logprobs, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, entropy_grad=False)
+        logprobs, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, entropy_grad=False,
+                                        right_padded=True)
         loss = -(logprobs * target).sum() / total_tokens  # micro-batch share of the step's token mean
         loss.backward()
         nll_sum += float(loss.detach())

@@ -61,7 +61,7 @@ from agent_core.training.prepared import Prepared, prepare_update, split_rows, t
 from agent_core.training.settings import PPOSettings
 from agent_core.training.update_result import Totals, UpdateResult, update_result
 from agent_core.training.safety import (
-    CRITIC_INPUTS, NONFINITE, POLICY_INPUTS, SkipUpdate, check_finite_output, nonfinite_inputs,
+    CRITIC_INPUTS, NONFINITE, POLICY_INPUTS, FiniteWatch, SkipUpdate, nonfinite_inputs,
 )
 from agent_core.training.scoring import score_logprobs, sequence_logprobs
 
@@ -83,7 +83,7 @@ def make_optimizer(
 
 
 def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared, s: PPOSettings,
-                        totals: Totals) -> torch.Tensor:
+                        totals: Totals, watch: FiniteWatch) -> torch.Tensor:
     """Forward + backward of one policy micro-batch; adds its metrics to totals, returns its loss.
 
     Only the loss-mask tokens get logits (``sequence_logprobs(positions=...)``): every value below
@@ -91,8 +91,9 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared,
     """
     with autocast(batch.input_ids.device, s.precision):
         logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, temperature=s.temperature,
-                                              entropy_grad=s.entropy_coef != 0, positions=masks.loss_mask > 0)
-    check_finite_output(logprobs, batch.attention_mask, "log-probs")
+                                              entropy_grad=s.entropy_coef != 0, positions=masks.loss_mask > 0,
+                                              position_count=batch.loss_targets, right_padded=True)
+    watch.output(logprobs, batch.attention_mask, "log-probs")
     old_logprobs = batch.old_logprobs
     if not s.recompute_old_logprobs:  # loss tokens the engine did not sample: ratio 1 (module docstring)
         old_logprobs = torch.where((masks.loss_mask > 0) & (batch.action_mask == 0), logprobs.detach(), old_logprobs)
@@ -119,11 +120,11 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared,
 
 
 def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared, s: PPOSettings,
-                        totals: Totals) -> torch.Tensor:
+                        totals: Totals, watch: FiniteWatch) -> torch.Tensor:
     """Forward + backward of the clipped value loss on the advantage-mask tokens (they have returns)."""
     with autocast(batch.input_ids.device, s.precision):
-        values = critic.values(batch.input_ids, batch.attention_mask).float()
-    check_finite_output(values, batch.attention_mask, "values")
+        values = critic.values(batch.input_ids, batch.attention_mask, right_padded=True).float()
+    watch.output(values, batch.attention_mask, "values")
     out = clipped_value_loss(values, batch.old_values, batch.returns, masks.advantage_mask, clip_range=s.value_clip,
                              agg_mode=s.agg_mode, **prep.value_norms.scale())
     loss = s.vf_coef * out.loss
@@ -134,16 +135,17 @@ def _critic_micro_batch(critic, batch: PaddedBatch, masks: Masks, prep: Prepared
 
 def _local_skip_reason(pairs, micro_step, count_progress: bool, budget: TokenBudget) -> str | None:
     """Forward + backward of these (batch, masks) pairs, split to fit `budget` (oom.run_with_splits);
-    the first skip reason, or None."""
+    the skip reason, or None. Outputs and losses are checked on the device and read once at the end
+    (`FiniteWatch`): no host synchronisation per micro-batch."""
+    watch = FiniteWatch()
     try:
-        for batch_loss in run_with_splits(pairs, micro_step, budget, split_rows):
-            if not torch.isfinite(batch_loss):
-                return f"{NONFINITE} loss ({float(batch_loss)}) in a micro-batch"
+        for batch_loss in run_with_splits(pairs, lambda b, m: micro_step(b, m, watch), budget, split_rows):
+            watch.loss(batch_loss)
             if count_progress:
                 report(1)
     except SkipUpdate as skip:
         return str(skip)
-    return None
+    return watch.reason()
 
 
 def _micro_batches_skip_reason(prep: Prepared, micro_step, count_progress: bool, budget: TokenBudget,
@@ -231,7 +233,7 @@ def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_opti
     if prep.policy_norms.num_tokens > 0:  # global counts: every rank takes the same branch
         with activation_checkpointing(policy, s.activation_checkpointing):
             grad_norm, reason = _accumulate_and_step(
-                policy, optimizer, prep, lambda b, m: _policy_micro_batch(policy, b, m, prep, s, totals),
+                policy, optimizer, prep, lambda b, m, w: _policy_micro_batch(policy, b, m, prep, s, totals, w),
                 s.max_grad_norm, POLICY_INPUTS, budget, totals, dp=dp)
         policy_skipped = reason is not None
         reasons += [reason] if reason else []
@@ -241,7 +243,7 @@ def _update(policy, optimizer, sequences, s: PPOSettings, *, critic, critic_opti
     critic_skipped = True
     if critic is not None and prep.value_norms.num_tokens > 0:
         _, reason = _accumulate_and_step(
-            critic, critic_optimizer, prep, lambda b, m: _critic_micro_batch(critic, b, m, prep, s, totals),
+            critic, critic_optimizer, prep, lambda b, m, w: _critic_micro_batch(critic, b, m, prep, s, totals, w),
             s.max_grad_norm, CRITIC_INPUTS, budget, totals, count_progress=False, dp=dp)
         critic_skipped = reason is not None
         reasons += [f"critic: {reason}"] if reason else []
