@@ -5,12 +5,13 @@ train.py) without Prefect, Parquet or MLflow, so they run where only torch, tran
 and pydantic are installed; each calls the same agent_core functions the stage does:
 
 - rollout: `local_roll_out` (the agent loop with the config's loop settings, agent_core/rollout/spec.py)
-  with the built-in search env on its BM25 index and the
-  `HFEngine` generating with the trainer's own module (the colocated, resident policy: one copy
-  of the weights);
+  with the built-in search env on its BM25 index and the `HFEngine` a colocated run builds: on CUDA
+  a bf16 copy of the trainer's module refreshed before the rollout (rollout.hf.dtype auto), on the
+  CPU the module itself; KV reuse across each episode's turns (rollout.hf);
 - labelling: `label_steps` (agent_core.rewards) with the reward config's defaults;
-- advantages: the reference's log-probs of every response (`score_logprobs`; the reference is a
-  frozen copy of the start policy, or with LoRA the same module with its adapter disabled), then
+- advantages: the reference's log-probs of every response (`score_logprobs` under the trainer's
+  precision; the reference is a frozen copy of the start policy, or with LoRA the same module with
+  its adapter disabled), then
   `estimate_step_advantages` with the algorithm config's defaults (GRPO);
 - training: `train_iteration` with `PPOSettings.from_config` of the trainer config's defaults
   (precision auto, the micro-batch budget the library picks for the device) and a KL loss term.
@@ -35,6 +36,7 @@ from agent_core.config import AlgorithmConfig, RewardConfig, RolloutConfig, Trai
 from agent_core.episodes import episodes_from_rows
 from agent_core.rewards.labelling import StepOutcome, label_steps
 from agent_core.rollout.hf_engine import HFEngine
+from agent_core.rollout.inference_copy import InferenceCopy, inference_dtype, parameter_dtype
 from agent_core.rollout.spec import RolloutSpec, local_roll_out
 from agent_core.training.batches import TrainStep, choose_layout
 from agent_core.training.scoring import score_logprobs
@@ -78,12 +80,25 @@ class StageClock:
                                if self.device.type == "cuda" else None)
 
 
-def rollout(model, tokenizer, task, cfg: RolloutConfig, prompts: int, seed: int) -> list:
+def rollout(model, tokenizer, task, cfg: RolloutConfig, prompts: int, seed: int,
+            copies: InferenceCopy | None = None) -> list:
     """`prompts` x group_size episodes of the built-in task (tasks/_common.roll_out's steps: the
-    config's envs and its loop settings, agent_core/rollout/spec.py)."""
-    engine = HFEngine(model, tokenizer, max_batch_size=cfg.max_batch_size)  # the trainer's module
-    return local_roll_out(engine, tokenizer, task.prompts[:prompts], task.documents, cfg, seed=seed,
-                          policy_version=0, episode_prefix="gpu-", spec=RolloutSpec.from_config(cfg))
+    config's envs and its loop settings, agent_core/rollout/spec.py), with the engine a colocated run
+    builds (agent_core/run_resources.py): the trainer's module itself where it samples in the module's
+    dtype, else the inference copy `copies` refreshed from it (bf16 on CUDA, rollout.hf.dtype); KV reuse
+    and the cache as rollout.hf says."""
+    dtype = inference_dtype(cfg.hf.dtype, next(model.parameters()).device)
+    module, lease = model, None
+    if parameter_dtype(model) != dtype:
+        copies = copies if copies is not None else InferenceCopy(dtype)
+        module, lease = copies.refresh(model), copies
+    engine = HFEngine.configured(module, tokenizer, cfg.hf, max_batch_size=cfg.max_batch_size,
+                                 release=lease.release if lease is not None else None)
+    try:
+        return local_roll_out(engine, tokenizer, task.prompts[:prompts], task.documents, cfg, seed=seed,
+                              policy_version=0, episode_prefix="gpu-", spec=RolloutSpec.from_config(cfg))
+    finally:
+        engine.close()
 
 
 def rewards_of(records, task) -> dict[tuple[str, int], float]:
@@ -105,10 +120,12 @@ def estimator_settings(cfg: AlgorithmConfig) -> dict:
 
 
 def train_steps(records, rewards, reference, pad_id: int, algorithm: AlgorithmConfig,
-                micro_batch_tokens: int, temperature: float) -> list[TrainStep]:
-    """Reference log-probs and advantages of every step, joined as the train stage joins them."""
-    scored = score_logprobs(reference, [r.prompt_ids + r.response_ids for r in records], pad_id, micro_batch_tokens,
-                            temperature, starts=[len(r.prompt_ids) for r in records])
+                trainer: TrainerConfig, temperature: float) -> list[TrainStep]:
+    """Reference log-probs (under the trainer's precision, as tasks/compute_advantages.py scores them) and
+    advantages of every step, joined as the train stage joins them."""
+    scored = score_logprobs(reference, [r.prompt_ids + r.response_ids for r in records], pad_id,
+                            trainer.micro_batch_tokens, temperature, starts=[len(r.prompt_ids) for r in records],
+                            precision=trainer.precision)
     ref = {(r.episode_id, r.step_idx): s[len(r.prompt_ids):] for r, s in zip(records, scored)}
     batch = prepare_episodes([StepRewardRow(r.episode_id, r.group_id, r.step_idx, r.prompt_ids, r.response_ids,
                                             rewards[r.episode_id, r.step_idx]) for r in records])
@@ -145,8 +162,10 @@ def rl_iteration(model, tokenizer, task, *, prompts: int, rollout_cfg: RolloutCo
     trainer, algorithm = TrainerConfig(), AlgorithmConfig(kl_coef=kl_coef)
     settings = PPOSettings.from_config(trainer, algorithm, rollout_cfg.temperature)
     clock = StageClock(device)
+    # kept for the iteration, as a run keeps it (RunResources): training sizes its micro-batches beside it
+    copies = InferenceCopy(inference_dtype(rollout_cfg.hf.dtype, device))
     with clock.stage("rollout"):
-        records = rollout(model, tokenizer, task, rollout_cfg, prompts, seed)
+        records = rollout(model, tokenizer, task, rollout_cfg, prompts, seed, copies)
     with clock.stage("labelling"):
         rewards = rewards_of(records, task)
     if lora:
@@ -157,14 +176,15 @@ def rl_iteration(model, tokenizer, task, *, prompts: int, rollout_cfg: RolloutCo
         reference_scope = frozen_copy(model)
     with clock.stage("advantages"):
         with reference_scope as reference:
-            steps = train_steps(records, rewards, reference, tokenizer.pad_token_id, algorithm,
-                                trainer.micro_batch_tokens, rollout_cfg.temperature)
+            steps = train_steps(records, rewards, reference, tokenizer.pad_token_id, algorithm, trainer,
+                                rollout_cfg.temperature)
         free_memory(device)
     with clock.stage("training"):
         sequences = choose_layout([list(e.steps) for e in episodes_from_rows(steps)], trainer.layout)
         optimizer = make_optimizer(model, lr=trainer.lr, weight_decay=trainer.weight_decay)
         results = train_iteration(model, optimizer, sequences, settings, pad_id=tokenizer.pad_token_id, seed=seed)
         del optimizer
+    copies.close()
     free_memory(device)
     peaks = [v for v in clock.peak_gib.values() if v is not None]
     return {
@@ -172,6 +192,8 @@ def rl_iteration(model, tokenizer, task, *, prompts: int, rollout_cfg: RolloutCo
         "peak_gib": max(peaks) if peaks else None, "stage_peak_gib": clock.peak_gib,
         "episodes": len({r.episode_id for r in records}), "steps": len(records),
         "generated_tokens": sum(len(r.response_ids) for r in records),
+        "scored_tokens": sum(len(r.prompt_ids) + len(r.response_ids) for r in records) if kl_coef > 0 else 0,
+        "inference_dtype": str(copies.dtype).removeprefix("torch."),
         "train_rows": len(sequences), "train_tokens": sum(len(s) for s in sequences),
         "updates": len(results), "skipped_updates": sum(r.skipped for r in results),
         "oom_splits": sum(getattr(r, "oom_splits", 0) for r in results),

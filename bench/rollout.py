@@ -94,9 +94,9 @@ class RecordingEngine:
         self._lock = threading.Lock()
         self.calls: list[Call] = []
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, **routing):  # routing: the loop's `sessions` for engines that take them
         started = time.perf_counter()
-        out = self._engine.generate(prompts, params)
+        out = self._engine.generate(prompts, params, **routing)
         call = Call([list(p) for p in prompts], params, started, time.perf_counter(), [list(g.token_ids) for g in out])
         with self._lock:
             self.calls.append(call)

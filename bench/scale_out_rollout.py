@@ -68,11 +68,11 @@ class InProcess:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, **routing):  # routing: the loop's `sessions` (KV reuse)
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            return self.engine.generate(prompts, params)
+            return self.engine.generate(prompts, params, **routing)
         finally:
             torch.set_num_threads(before)
 
