@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from agent_core.config import HFEngineConfig, PipelineConfig
-from agent_core.io import background
 from agent_core.io.checkpoints import load_policy
 from agent_core.io.layout import RunLayout
 from agent_core.rollout import engines
@@ -19,29 +18,12 @@ from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 from agent_core.rollout.inference_copy import InferenceCopy, cast_parameters, inference_dtype
 from agent_core.run_resources import RunResources
 from agent_core.training import resident
-from agent_core.training.model import build_tiny_policy, build_tokenizer
 from agent_core.training.precision import autocast
 from agent_core.training.scoring import score_logprobs
+from test_device_placement import nothing_kept, policy_dir  # noqa: F401  (fixtures: a tiny saved policy, a clean resident store)
 from test_resident_policy import _tables, _train
 
 BF16 = EngineOptions(hf=HFEngineConfig(dtype="bfloat16"))
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory) -> Path:
-    from agent_core.io.checkpoints import save_policy
-
-    tokenizer = build_tokenizer(["<search>a</search> <answer>b</answer> the quick brown fox"], vocab_size=300)
-    model = build_tiny_policy(tokenizer, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
-    return save_policy(model, tokenizer, tmp_path_factory.mktemp("policy") / "initial")
-
-
-@pytest.fixture(autouse=True)
-def nothing_kept():
-    resident.forget()
-    yield
-    background.wait()
-    resident.forget()
 
 
 def _same_as_autocast_weights(copy: torch.nn.Module, trainer: torch.nn.Module) -> None:
