@@ -15,12 +15,20 @@ The engine is used as the in-process agent loop uses it (agent_core/gateway/batc
 concurrent engine (vLLM) gets up to `concurrent_calls` requests in flight at once; a serial one (hf)
 gets the requests that are queued together as one generate call, those with the same sampling
 settings, after waiting at most `GatewayLimits.batch_window_s` for the other active episodes. Each
-request samples with its own seed (from the run's seed, the episode's number and the call's index),
+request samples with its own seed (from the run's seed, the episode's number and how many seeds it drew),
 recorded with it, whether or not it shared its engine call (the call gives each prompt its own seed,
 `SamplingParams.prompt_seeds`), so a call can be reproduced from its prompt ids and seed alone: with
 the hf engine, up to the float noise that a different left-padding width in a shared call adds to
 the logits (~1e-6 on log-probs; HFEngine's docstring). `batch_size` records how many sequences
 shared the call, and `generate_seconds` is that whole call's wall time.
+
+An agent may send its requests at once (issue 39). Under the episode's lock, before anything is
+generated, a request takes one of the episode's `max_calls` slots (none left: 400, as when sent one
+after another) and, once its prompt passed the context check, the episode's next seed (seeds are
+never reused). A request that fails after taking its slot (its prompt refused, the engine raised)
+gives the slot back and records nothing. A served call is recorded under the same lock, its
+`call_idx` its place in the record, so an episode's calls (its steps) are numbered 0..n-1 without a
+gap, in the order they were served, and never more than `max_calls`.
 """
 
 from __future__ import annotations
@@ -110,6 +118,8 @@ class _Episode:
     number: int
     calls: list[GatewayCall] = field(default_factory=list)
     budget_hit: str | None = None
+    reserved: int = 0  # requests that hold a call slot and are not recorded yet (module docstring)
+    seeds_drawn: int = 0
     active: bool = False  # it has made a request: the engine queue may wait for its next one
     last: tuple | None = None  # (messages, tools, prompt ids, reply content, reply tool_calls) of the last call
 
@@ -150,26 +160,34 @@ class GatewayCore:
     def complete(self, token: str, request: ChatRequest) -> dict[str, Any]:
         """Serve one request of the episode holding `token`; the OpenAI response body. GatewayError
         for an unknown or finished token (401) or a request over the episode's budgets (400)."""
-        episode = self._episode(token, activate=True)
-        call_idx = len(episode.calls)
-        if call_idx >= self.limits.max_calls:
-            self._refuse(episode, "max_steps")
-            raise GatewayError(400, f"this episode has used its {self.limits.max_calls} calls (rollout.max_steps)",
-                               "max_steps")
+        episode = self._reserve(token)
+        try:
+            call, content, tool_calls = self._generate(episode, request)
+        except BaseException:
+            self._release(episode)
+            raise
+        self._record(token, episode, call, request, content, tool_calls)
+        return completion_body(model=self.model_name, content=content, tool_calls=tool_calls,
+                               finish_reason=call.finish_reason, prompt_tokens=len(call.prompt_ids),
+                               completion_tokens=len(call.response_ids))
+
+    def _generate(self, episode: _Episode, request: ChatRequest) -> tuple[GatewayCall, str, list[dict]]:
+        """The call served for `request` (its call_idx is set when recorded), its reply content and tool_calls."""
         prompt_ids, appended = self._prompt_ids(episode, request)
-        params, requested = self._params(request, episode, call_idx)
+        params, requested = self._params(request)
         if len(prompt_ids) + params.max_new_tokens > self.limits.max_context_tokens:
             self._refuse(episode, "max_context")
             raise GatewayError(400, f"the prompt is {len(prompt_ids)} tokens; with max_tokens={params.max_new_tokens} it "
                                f"exceeds the context of {self.limits.max_context_tokens} tokens",
                                "context_length_exceeded")
+        params = replace(params, seed=self._draw_seed(episode))
         served = self.engine_queue.generate(prompt_ids, params, episode.episode_id)
         generation = served.generation
         ids, logprobs, text, finish = cut_at_stop(self.tokenizer, generation, request.stop)
         content, tool_calls, action = parse_tool_calls(text, request)
         errors = [] if action is None else [f"{e.kind}: {e.message}" for e in action.errors]
         call = GatewayCall(
-            call_idx=call_idx, prompt_ids=prompt_ids, response_ids=ids, response_logprobs=logprobs,
+            call_idx=-1, prompt_ids=prompt_ids, response_ids=ids, response_logprobs=logprobs,
             response_text=text, finish_reason=finish,
             tool_calls=json_text([{"name": c.name, "arguments": c.arguments} for c in (action.calls if action else ())]),
             parse_error="; ".join(errors) or None, seed=params.seed, appended=appended,
@@ -177,21 +195,37 @@ class GatewayCore:
             generated_at=time.time(), generate_seconds=round(served.seconds, 6), requested=json_text(requested),
             batch_size=served.batch_size,
         )
-        self._record(token, episode, call, request, content, tool_calls)
-        return completion_body(model=self.model_name, content=content, tool_calls=tool_calls, finish_reason=finish,
-                               prompt_tokens=len(prompt_ids), completion_tokens=len(ids))
+        return call, content, tool_calls
 
     # ---- helpers ---------------------------------------------------------------------------------
 
-    def _episode(self, token: str, activate: bool = False) -> _Episode:
+    def _reserve(self, token: str) -> _Episode:
+        """The token's episode, one of its call slots taken (module docstring); 401 / 400 as `complete`."""
         with self._lock:
             episode = self._episodes.get(token)
-            if activate and episode is not None and not episode.active:
+            if episode is None:
+                raise GatewayError(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
+            if not episode.active:
                 episode.active = True
                 self._active += 1
-        if episode is None:
-            raise GatewayError(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
-        return episode
+            if len(episode.calls) + episode.reserved >= self.limits.max_calls:
+                episode.budget_hit = episode.budget_hit or "max_steps"
+                raise GatewayError(400, f"this episode has used its {self.limits.max_calls} calls (rollout.max_steps)",
+                                   "max_steps")
+            episode.reserved += 1
+            return episode
+
+    def _release(self, episode: _Episode) -> None:
+        """Give back a slot whose request failed before it was recorded."""
+        with self._lock:
+            episode.reserved -= 1
+
+    def _draw_seed(self, episode: _Episode) -> int | None:
+        """The episode's next seed: each drawn once (module docstring)."""
+        with self._lock:
+            drawn, episode.seeds_drawn = episode.seeds_drawn, episode.seeds_drawn + 1
+        base = self.sampling.seed
+        return None if base is None else base + episode.number * _SEED_STRIDE + drawn
 
     def _refuse(self, episode: _Episode, budget: str) -> None:
         with self._lock:
@@ -200,6 +234,7 @@ class GatewayCore:
     def _record(self, token: str, episode: _Episode, call: GatewayCall, request: ChatRequest, content: str,
                 tool_calls: list[dict]) -> None:
         with self._lock:
+            episode.reserved -= 1  # the slot becomes the recorded call, or is gone with the episode
             if self._episodes.get(token) is not episode:  # finished while generating: not part of it
                 raise GatewayError(401, "the episode finished while this request was served", "invalid_api_key")
             episode.calls.append(replace(call, call_idx=len(episode.calls)))
@@ -226,8 +261,8 @@ class GatewayCore:
         except ValueError as error:  # a template that cannot render this conversation
             raise GatewayError(400, f"the chat template cannot render these messages: {error}", "invalid_messages") from None
 
-    def _params(self, request: ChatRequest, episode: _Episode, call_idx: int) -> tuple[SamplingParams, dict]:
-        """The call's sampling settings, and what the request asked for that they override."""
+    def _params(self, request: ChatRequest) -> tuple[SamplingParams, dict]:
+        """The call's sampling settings but its seed, and what the request asked for that they override."""
         base, requested = self.sampling, {}
         max_new = min(request.max_tokens or base.max_new_tokens, base.max_new_tokens)
         temperature, top_p = base.temperature, base.top_p
@@ -239,8 +274,7 @@ class GatewayCore:
                     requested[name] = value
         if top_p <= 0:
             top_p = base.top_p
-        seed = None if base.seed is None else base.seed + episode.number * _SEED_STRIDE + call_idx
-        return replace(base, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed,
+        return replace(base, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=None,
                        prompt_seeds=None), requested
 
     def _active_episodes(self) -> int:

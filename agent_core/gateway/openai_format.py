@@ -2,7 +2,9 @@
 
 Only what the gateway serves is read (model, messages, tools, tool_choice, temperature, top_p,
 max_tokens / max_completion_tokens, stop, n, stream); other fields are ignored, as OpenAI-compatible
-servers do. A request the gateway cannot serve is a `RequestError` (HTTP 400, one line).
+servers do. A request the gateway cannot serve is a `RequestError` (HTTP 400, one line); so is any
+string in it that is not valid Unicode (JSON lets a body carry a lone surrogate, "\\ud800", which no
+tokenizer takes).
 
 How an OpenAI conversation becomes the policy's chat messages (the same as our `tool_env` with the
 hermes format, so a policy trained in either sees one convention):
@@ -55,6 +57,7 @@ def parse_request(body: Any) -> ChatRequest:
     """The request in `body` (decoded JSON), or RequestError naming the bad field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    _check_unicode(body)
     if body.get("stream"):
         raise RequestError("stream=true is not supported by this gateway: send non-streaming requests")
     if body.get("n", 1) != 1:
@@ -82,6 +85,34 @@ def parse_request(body: Any) -> ChatRequest:
         temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
         max_tokens=max_tokens, stop=tuple(stop),
     )
+
+
+def _check_unicode(body: Any) -> None:
+    """RequestError naming the first string of `body`, keys included, that holds a lone surrogate."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            for key in value:
+                _check_text(key, f"a key of {where or 'the body'}")
+            stack.extend((f"{where}.{_printable(key)}" if where else _printable(key), item)
+                         for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{index}]", item) for index, item in reversed(list(enumerate(value))))
+        elif isinstance(value, str):
+            _check_text(value, where)
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # a Python str fails to encode only at a surrogate
+        raise RequestError(f"{where} holds a lone surrogate (\\u{ord(text[error.start]):04x} at character "
+                           f"{error.start}): text must be valid Unicode") from None
+
+
+def _printable(key: str) -> str:
+    return key.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _number(body: Mapping[str, Any], key: str, low: float, high: float) -> float | None:
