@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     query.add_argument("sql", help="e.g. \"select iteration, avg(reward) from rewards group by 1 order by 1\"")
     query.add_argument("--output", default=None, help="write the result to a .csv or .parquet file instead")
     query.add_argument("--max-rows", type=int, default=50, help="rows printed (default 50)")
+    query.add_argument("--force", action="store_true", help="let --output replace an existing file")
+    query.add_argument("--timeout", default=None, metavar="SECONDS",
+                       help="interrupt the query after this many seconds (Ctrl-C interrupts it too)")
+    query.add_argument("--memory-limit", default=None, metavar="SIZE",
+                       help="DuckDB's memory limit, e.g. 4GB or 512MiB (default: a quarter of the memory)")
 
     rerun = add("rerun", "rerun one stage of one iteration from the tables before it")
     rerun.add_argument("--run-id", required=True)
@@ -208,22 +213,53 @@ def _score(value: float) -> str:
 
 
 def _query(args: argparse.Namespace) -> int:
-    from agent_core.io.query import check_result_path, check_select, format_table, has_tables, run_query, write_result
+    import warnings
+
+    from agent_core.io.query import (IgnoredFileWarning, QueryInterrupted, check_result_path, check_select,
+                                     format_table, has_tables, run_query, write_result)
+    from agent_core.io.readonly_sql import check_memory_limit
 
     data_root = Path(args.data_root or DEFAULT_DATA_ROOT)
     check_select(args.sql)  # a statement that is not one SELECT is refused whatever the data root holds
+    timeout = _query_timeout(args.timeout)
+    if args.memory_limit is not None:
+        try:
+            check_memory_limit(args.memory_limit)
+        except ValueError as error:
+            raise ValueError(f"--memory-limit: {error}") from None
     if args.output:
-        check_result_path(Path(args.output), data_root)
-    if not has_tables(data_root):
-        raise FileNotFoundError(f"no tables under {data_root}: no run, dataset or eval has written any yet "
-                                "(start one with `agentr1 train`, or point --data-root at an existing one)")
-    table = run_query(data_root, args.sql)
+        check_result_path(Path(args.output), data_root, force=args.force)
+    with warnings.catch_warnings(record=True) as ignored:  # a stray file in a run: one line each, once
+        warnings.simplefilter("always", IgnoredFileWarning)
+        try:
+            if not has_tables(data_root):
+                raise FileNotFoundError(f"no tables under {data_root}: no run, dataset or eval has written any yet "
+                                        "(start one with `agentr1 train`, or point --data-root at an existing one)")
+            table = run_query(data_root, args.sql, timeout=timeout, memory_limit=args.memory_limit)
+        except QueryInterrupted as error:
+            raise ValueError(f"{error} (--timeout {args.timeout}: raise it or leave it out)") from None
+        finally:
+            for message in dict.fromkeys(str(w.message) for w in ignored if w.category is IgnoredFileWarning):
+                print(f"agentr1: warning: {message}", file=sys.stderr)
     if args.output:
         write_result(table, Path(args.output))
         print(f"agentr1: wrote {table.num_rows} rows to {args.output}")
     else:
         print(format_table(table, max_rows=args.max_rows))
     return 0
+
+
+def _query_timeout(text: str | None) -> float | None:
+    """`--timeout` as seconds (a positive number), None when not given; ValueError in one line."""
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"--timeout must be a positive number of seconds, not {text!r}")
+    return seconds
 
 
 def _rerun(args: argparse.Namespace) -> int:

@@ -3,8 +3,8 @@
 `open_catalog` gives a read-only in-memory DuckDB catalog with one view per table
 (`agent_core.io.readonly_sql`: every user's SQL runs there, one SELECT that can read only these
 tables' files):
-- run tables (`prompts`, `steps`, `rewards`, `advantages`, `train_metrics`, and any other table
-  found under `runs/*/iteration=*/`) over `<root>/runs/<run_id>/iteration=<k>/<table>.parquet`,
+- run tables (`prompts`, `steps`, `rewards`, `advantages`, `train_metrics`, `health`, `ledger`,
+  `dev_eval`: `query_files.run_table_names`) over `<root>/runs/<run_id>/iteration=<k>/<table>.parquet`,
   all runs and iterations at once;
 - dataset tables `dataset_prompts` and `corpus` over `<root>/datasets/<id>/{prompts,corpus}.parquet`;
 - the `eval` table over `<root>/evals/<eval_id>/<method>/seed=<s>/eval.parquet`, every evaluation.
@@ -15,8 +15,10 @@ hive_partitioning=true)`:
   folder's value, typed BIGINT (checked on DuckDB 2.0.0), so users would see the path, not the
   data, and a different type from the schema. Every row already carries `run_id` and `iteration`,
   so the table's own columns are the ones shown, with their Parquet types.
-- Files are listed in Python, and any path with a component starting with '.' is skipped: writers
-  write `.<name>.tmp` and rename it into place, and DuckDB's `*` matches hidden names.
+- Files are listed in Python (agent_core/io/query_files.py), and any path with a component starting
+  with '.' is skipped: writers write `.<name>.tmp` and rename it into place, and DuckDB's `*`
+  matches hidden names. Only known table names become views; a stray file or a symlink out of the
+  tables is ignored with one warning naming it (`IgnoredFileWarning`).
 - Each query reads a snapshot: hard links to the files it lists, made when it starts, so a table
   replaced while the query runs is read whole, old or new, never mixed (`open_catalog`).
 - A table with no file yet is an empty view with the columns of its schema
@@ -27,75 +29,24 @@ hive_partitioning=true)`:
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.csv as pa_csv
-import pyarrow.parquet as pq
 
-import schemas
-from agent_core.io.atomic import atomic_file
-from agent_core.io.layout import DATASET_TABLES, RUN_TABLES
-from agent_core.io.ledger import LEDGER_TABLE, derived_views
-from agent_core.io.readonly_sql import QueryError, ReadOnlyCatalog, TableFile, check_select
+from agent_core.io.ledger import derived_views
+from agent_core.io.query_files import (TABLE_FOLDERS, IgnoredFileWarning, _linked, _schemas, _snapshot_folder,
+                                       dataset_table_files, eval_table_files, remove_stale_snapshots, run_table_files)
+from agent_core.io.query_output import RESULT_SUFFIXES, check_result_path, write_result
+from agent_core.io.readonly_sql import QueryError, QueryInterrupted, ReadOnlyCatalog, TableFile, check_select
 
-__all__ = ["QueryError", "RESULT_SUFFIXES", "TABLE_FOLDERS", "check_episode_selection", "check_result_path",
-           "check_select", "dataset_table_files", "eval_table_files", "format_table", "has_tables", "open_catalog",
-           "run_query", "run_table_files", "select_episode_ids", "write_result"]
-
-_ITERATION_DIR = re.compile(r"^iteration=\d+$")
-_VIEW_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_DATASET_FILE = {"dataset_prompts": "prompts.parquet", "corpus": "corpus.parquet"}
-RESULT_SUFFIXES = (".csv", ".parquet")
+__all__ = ["IgnoredFileWarning", "QueryError", "QueryInterrupted", "RESULT_SUFFIXES", "TABLE_FOLDERS",
+           "check_episode_selection", "check_result_path", "check_select", "dataset_table_files", "eval_table_files",
+           "format_table", "has_tables", "open_catalog", "remove_stale_snapshots", "run_query", "run_table_files",
+           "select_episode_ids", "write_result", "_linked", "_schemas", "_snapshot_folder"]
 
 
-def _visible(path: Path, root: Path) -> bool:
-    return not any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def run_table_files(data_root: Path, run_id: str = "*") -> dict[str, list[Path]]:
-    """Parquet files of each run table, by table name (sorted; hidden temp files left out); of every
-    run, or of `run_id` only (its folder alone is listed)."""
-    data_root = Path(data_root)
-    # `health` (the audit's table, agent_core/audit) is an empty view until a run has audited an iteration
-    files: dict[str, list[Path]] = {name: [] for name in (*RUN_TABLES, "health", LEDGER_TABLE)}
-    for path in sorted(data_root.glob(f"runs/{run_id}/iteration=*/*.parquet")):
-        if not (path.is_file() and _visible(path, data_root) and _ITERATION_DIR.match(path.parent.name)):
-            continue
-        if _VIEW_NAME.match(path.stem) and path.stem not in DATASET_TABLES:
-            files.setdefault(path.stem, []).append(path)
-    return files
-
-
-def dataset_table_files(data_root: Path) -> dict[str, list[Path]]:
-    """Parquet files of each dataset table, by view name (sorted; hidden folders left out)."""
-    data_root = Path(data_root)
-    return {
-        name: [
-            path
-            for path in sorted(data_root.glob(f"datasets/*/{file_name}"))
-            if path.is_file() and _visible(path, data_root)
-        ]
-        for name, file_name in _DATASET_FILE.items()
-    }
-
-
-def eval_table_files(data_root: Path) -> dict[str, list[Path]]:
-    """Parquet files of the `eval` table, every evaluation (sorted; hidden temp files left out)."""
-    data_root = Path(data_root)
-    paths = sorted(data_root.glob("evals/*/*/seed=*/eval.parquet"))
-    return {"eval": [path for path in paths if path.is_file() and _visible(path, data_root)]}
-
-
-def _schemas() -> dict[str, pa.Schema]:
-    return {name: spec.arrow_schema for name, spec in getattr(schemas, "TABLES", {}).items()}
-
-
-def open_catalog(data_root: Path, snapshot_dir: Path | None = None) -> ReadOnlyCatalog:
+def open_catalog(data_root: Path, snapshot_dir: Path | None = None, memory_limit: str | None = None) -> ReadOnlyCatalog:
     """A read-only catalog (`ReadOnlyCatalog`: DuckDB in memory, one view per table of `data_root`,
     nothing else readable; see module doc).
 
@@ -104,30 +55,16 @@ def open_catalog(data_root: Path, snapshot_dir: Path | None = None) -> ReadOnlyC
     there now instead of the tables' paths: a writer replacing a table (a resumed or rerun stage)
     renames a new file over the path, which DuckDB, opening a file more than once per query, would
     otherwise mix with the old one ("Invalid data"); a link keeps the old file whole until it goes.
-    Errors still name the tables' own paths.
+    Errors still name the tables' own paths. Without a snapshot, DuckDB is handed each file's
+    resolved path, never a symlink. `memory_limit`: DuckDB's (default: a quarter of the memory).
     """
     tables = {**run_table_files(data_root), **dataset_table_files(data_root), **eval_table_files(data_root)}
-    views = {name: _linked(files, snapshot_dir / name) if snapshot_dir else [TableFile(p, p) for p in files]
+    views = {name: _linked(files, snapshot_dir / name) if snapshot_dir else [TableFile(p.resolve(), p) for p in files]
              for name, files in tables.items()}
-    catalog = ReadOnlyCatalog(views, _schemas())
+    catalog = ReadOnlyCatalog(views, _schemas(), memory_limit=memory_limit)
     for name, select in derived_views(set(catalog.views())):  # step_costs, costs (io/ledger.py)
         catalog.add_view(name, select)
     return catalog
-
-
-def _linked(files: list[Path], folder: Path) -> list[TableFile]:
-    """Hard links to `files` in `folder`; the original paths where linking is refused (e.g. another
-    filesystem), which only loses the isolation, not the query."""
-    folder.mkdir(parents=True, exist_ok=True)
-    linked = []
-    for i, path in enumerate(files):
-        link = folder / f"{i}.parquet"
-        try:
-            os.link(path, link)
-            linked.append(TableFile(link, path))
-        except OSError:
-            linked.append(TableFile(path, path))
-    return linked
 
 
 def has_tables(data_root: Path) -> bool:
@@ -136,29 +73,23 @@ def has_tables(data_root: Path) -> bool:
                                    *eval_table_files(data_root).values()))
 
 
-def run_query(data_root: Path, sql: str) -> pa.Table:
+def run_query(data_root: Path, sql: str, timeout: float | None = None, memory_limit: str | None = None) -> pa.Table:
     """Run a user's `sql`, one SELECT, over the catalog of `data_root`; the result as an Arrow table.
 
     Anything else (COPY, ATTACH, SET, several statements, ...) is refused before it runs, and a
     SELECT can read only the tables' files (`agent_core.io.readonly_sql`): QueryError, one line.
+    Ctrl-C interrupts it (KeyboardInterrupt), so does `timeout` seconds (QueryInterrupted); the
+    snapshot folders of killed queries are removed first (`remove_stale_snapshots`).
     """
     check_select(sql)  # refused before a snapshot folder is made
+    remove_stale_snapshots(Path(data_root))
     snapshot_dir = _snapshot_folder(Path(data_root))
     try:
-        with open_catalog(data_root, snapshot_dir) as catalog:
-            return catalog.select(sql)
+        with open_catalog(data_root, snapshot_dir, memory_limit) as catalog:
+            return catalog.select(sql, timeout=timeout)
     finally:
         if snapshot_dir is not None:
             shutil.rmtree(snapshot_dir, ignore_errors=True)
-
-
-def _snapshot_folder(data_root: Path) -> Path | None:
-    """A private hidden folder under the data root (hidden: no listing ever reads it), None if the
-    root cannot be written (a read-only share: queries then read the paths directly)."""
-    try:
-        return Path(tempfile.mkdtemp(prefix=".query-", dir=data_root))
-    except OSError:
-        return None
 
 
 SELECTION_VIEWS = ("steps", "rewards")
@@ -230,48 +161,3 @@ def format_table(table: pa.Table, max_rows: int = 50) -> str:
     else:
         lines.append(f"({table.num_rows} row{'' if table.num_rows == 1 else 's'})")
     return "\n".join(lines)
-
-
-def _nested_to_json(table: pa.Table) -> pa.Table:
-    """CSV has no list or struct cells: write those columns as JSON text."""
-    for index, field in enumerate(table.schema):
-        if pa.types.is_nested(field.type):
-            text = [None if v is None else json.dumps(v, default=str) for v in table.column(index).to_pylist()]
-            table = table.set_column(index, pa.field(field.name, pa.string()), pa.array(text, pa.string()))
-    return table
-
-
-TABLE_FOLDERS = ("runs", "datasets", "evals")
-
-
-def check_result_path(path: Path, data_root: Path) -> None:
-    """Refuse, before a query runs, a result path `write_result` cannot or must not write: an unknown
-    suffix, or a place among the tables a query reads (it would replace a table, or become one)."""
-    path = Path(path)
-    _check_suffix(path)
-    target = path.resolve()
-    for folder in TABLE_FOLDERS:
-        tables = (Path(data_root) / folder).resolve()
-        if target.is_relative_to(tables):
-            raise ValueError(f"refusing to write a result to {path}: it is inside {tables}, among the tables queries "
-                             "read; write it outside the data root's runs/, datasets/ and evals/")
-
-
-def _check_suffix(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix not in RESULT_SUFFIXES:
-        raise ValueError(f"cannot write a result to {path}: unknown suffix {path.suffix!r}; "
-                         f"valid: {', '.join(RESULT_SUFFIXES)}")
-    return suffix
-
-
-def write_result(table: pa.Table, path: Path) -> None:
-    """Write a query result to `path` as CSV or Parquet, chosen by suffix; atomically (`atomic_file`),
-    so a reader never sees half a file."""
-    path = Path(path)
-    suffix = _check_suffix(path)
-    with atomic_file(path, "wb") as sink:
-        if suffix == ".csv":
-            pa_csv.write_csv(_nested_to_json(table), sink)
-        else:
-            pq.write_table(table, sink)

@@ -19,6 +19,12 @@ answered and `INSTALL httpfs` reached the network. Two locks, each enough for mo
 
 Results are written by our code (`agentr1 query --output`), never by DuckDB.
 
+Resources (issue 39): DuckDB's temporary folder is a private one under the system's temp (by
+default it is `<current folder>/.tmp`, which a query could read), removed on close; the memory
+limit defaults to a quarter of the machine's (or the cgroup's) memory (`default_memory_limit`);
+`select` runs the query in a worker thread so that Ctrl-C (KeyboardInterrupt in the main thread)
+or a timeout interrupts it (`QueryInterrupted`), where DuckDB alone ignored Ctrl-C for minutes.
+
 Errors are one line (`QueryError`). A table file DuckDB cannot read (truncated, garbage) is named
 by its real path, with its view, even when the view reads a snapshot hard link of it: the view
 over a damaged file is still created (it re-reads its files at each query, see
@@ -27,7 +33,11 @@ over a damaged file is still created (it re-reads its files at each query, see
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +60,31 @@ class QueryError(ValueError):
         self.views = list(views or [])
         told = "" if views is None else f"; available views: {', '.join(self.views) or '(none)'}"
         super().__init__(f"{one_line(message)}{told}")
+
+
+class QueryInterrupted(QueryError):
+    """A query stopped by its timeout (`select(timeout=...)`)."""
+
+
+_MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
+
+
+def check_memory_limit(text: str) -> str:
+    """`text` if it is a memory size DuckDB takes (e.g. "4GB", "512 MiB"); else ValueError."""
+    if not _MEMORY.match(str(text)):
+        raise ValueError(f"not a memory size: {text!r} (e.g. 4GB, 512MiB; units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return str(text).strip()
+
+
+def default_memory_limit() -> str:
+    """A quarter of the memory this process may use: the machine's, or its cgroup's limit if lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        cgroup = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        total = min(total, int(cgroup)) if cgroup.isdigit() else total
+    except OSError:
+        pass
+    return f"{max(total // 4 // 2**20, 64)}MiB"
 
 
 def one_line(text: object) -> str:
@@ -91,12 +126,19 @@ class ReadOnlyCatalog:
     (no view where there is no schema either). Use `select` to run a user's SQL.
     """
 
-    def __init__(self, tables: Mapping[str, Sequence[TableFile]], schemas: Mapping[str, pa.Schema] | None = None):
+    def __init__(self, tables: Mapping[str, Sequence[TableFile]], schemas: Mapping[str, pa.Schema] | None = None,
+                 memory_limit: str | None = None):
         schemas = schemas or {}
         self._files = {str(f.read): (f.real, name) for name, files in tables.items() for f in files}
+        self.memory_limit = check_memory_limit(memory_limit) if memory_limit else default_memory_limit()
+        self._temp = tempfile.mkdtemp(prefix="agentr1-duckdb-")  # 0700: this user's alone
+        self._done = threading.Event()  # set while no query runs in a worker
+        self._done.set()
         self._con = duckdb.connect(":memory:")
         try:
             con = self._con
+            con.execute(f"SET temp_directory = {_sql_string(self._temp)}")
+            con.execute(f"SET memory_limit = {_sql_string(self.memory_limit)}")
             con.execute(f"SET allowed_paths = [{', '.join(_sql_string(path) for path in self._files)}]")
             for setting in ("enable_external_access", "autoinstall_known_extensions", "autoload_known_extensions",
                             "python_enable_replacements"):
@@ -105,7 +147,7 @@ class ReadOnlyCatalog:
                 _create_view(con, name, [str(f.read) for f in files], schemas.get(name))
             con.execute("SET lock_configuration = true")
         except BaseException:
-            self._con.close()
+            self.close()
             raise
 
     def __enter__(self) -> "ReadOnlyCatalog":
@@ -115,7 +157,11 @@ class ReadOnlyCatalog:
         self.close()
 
     def close(self) -> None:
-        self._con.close()
+        """Close the connection and remove the temporary folder; a query still running in its worker
+        (interrupted, not yet returned) keeps the connection: the process is ending anyway."""
+        if self._done.is_set():
+            self._con.close()
+        shutil.rmtree(self._temp, ignore_errors=True)
 
     def views(self) -> list[str]:
         """Names of the views a query can read (registered empty tables included), sorted."""
@@ -144,13 +190,43 @@ class ReadOnlyCatalog:
             raise QueryError(f"the query must return a column named {', '.join(missing)}: {sql}", self.views())
         return relation
 
-    def select(self, sql: str, columns: Sequence[str] = ()) -> pa.Table:
-        """Run a user's `sql` (one SELECT, returning `columns`); its result, or QueryError in one line."""
+    def select(self, sql: str, columns: Sequence[str] = (), timeout: float | None = None) -> pa.Table:
+        """Run a user's `sql` (one SELECT, returning `columns`); its result, or QueryError in one line.
+
+        It runs in a worker thread: Ctrl-C in the main thread interrupts it (KeyboardInterrupt is
+        raised again once DuckDB stopped), and so does `timeout` seconds passing (QueryInterrupted)."""
         relation = self.relation(sql, columns)
+        outcome: dict[str, object] = {}
+        self._done = done = threading.Event()  # not Thread.join: a join cut by Ctrl-C can leave is_alive() wrong
+
+        def run() -> None:
+            try:
+                outcome["table"] = relation.to_arrow_table()
+            except BaseException as error:  # handed to the main thread
+                outcome["error"] = error
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="agentr1-query", daemon=True).start()
         try:
-            return relation.to_arrow_table()
-        except duckdb.Error as error:
+            finished = done.wait(timeout)
+        except KeyboardInterrupt:
+            self._stop()
+            raise
+        if not finished:
+            self._stop()
+            raise QueryInterrupted(f"the query timed out after {timeout:g} s and was interrupted")
+        error = outcome.get("error")
+        if isinstance(error, duckdb.Error):
             raise self.error(error) from None
+        if error is not None:
+            raise error
+        return outcome["table"]
+
+    def _stop(self) -> None:
+        """Interrupt the running query and give DuckDB a few seconds to return."""
+        self._con.interrupt()
+        self._done.wait(10)
 
     def error(self, error: Exception) -> QueryError:
         """`error` as a QueryError: snapshot link paths replaced by the table files they stand for,
@@ -168,6 +244,9 @@ class ReadOnlyCatalog:
                        "queries over other views still answer)")
         elif isinstance(error, duckdb.PermissionException):
             message = f"{one_line(message)} ({_READS_ONLY_VIEWS})"
+        elif isinstance(error, duckdb.OutOfMemoryException):
+            message = (f"{one_line(message.split('Possible solutions')[0])} (the query's memory limit is "
+                       f"{self.memory_limit}; `agentr1 query --memory-limit` sets it)")
         return QueryError(message, self.views())
 
 
