@@ -11,6 +11,10 @@ a command may have failed on a file damaged since the run finished, on a bad ove
 machine that went away; none of that is the run's failure. A resume that did commit a stage (it
 redid damaged outputs, or went on with more iterations) and then failed leaves the run part old,
 part new: that one is recorded failed, and the next resume finishes the work.
+
+One damaged run never hides the others (`list_runs`): a file that cannot be read (a truncated
+dev_eval table, a config.yaml that is no mapping, a status.json with no known end) shows as `?` in
+its run's row (a damaged end record reads as killed) and is named in one line; `.`-folders are skipped.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import json
 import math
 from dataclasses import dataclass
 
+import duckdb
 import yaml
 
 from agent_core.io.atomic import write_text_atomic
-from agent_core.io.layout import RunLayout
+from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.locks import lock_is_held
 from agent_core.io.summaries import eval_scores
 
@@ -35,9 +40,10 @@ class RunStatus:
     status: str  # running | finished | failed | stopped | killed
     iterations_done: int
     iterations_planned: int | None  # None: the run recorded no config
-    last_dev_em: float  # nan: no dev evaluation yet
-    algorithm: str
+    last_dev_em: float | None  # nan: no dev evaluation yet; None: its table is unreadable
+    algorithm: str  # "?": not recorded, or unreadable
     detail: str | None  # the error of a failed run, the audit's reason of a stopped one
+    problems: tuple[str, ...] = ()  # one line per file that could not be read (`list_runs`)
 
 
 def record_run_end(run: RunLayout, status: str, detail: str | None = None) -> None:
@@ -59,26 +65,117 @@ def record_run_failure(run: RunLayout, detail: str, stages_committed: int) -> st
 
 def _recorded(run: RunLayout) -> tuple[str | None, str | None]:
     """The recorded end; (None, None) when none is, or the record is damaged (then it reads as killed)."""
+    status, detail, _ = _read_record(run)
+    return status, detail
+
+
+def _read_record(run: RunLayout) -> tuple[str | None, str | None, str | None]:
+    """(status, detail, problem): problem says why a status.json that is there was not read."""
     if not run.status_path.is_file():
-        return None, None
+        return None, None, None
     try:
         data = json.loads(run.status_path.read_text())
-        return data.get("status"), data.get("detail")
-    except (ValueError, AttributeError):  # not JSON, not UTF-8, not an object
-        return None, None
+    except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON
+        return None, None, f"status.json unreadable ({one_line(error)}): read as killed"
+    status = data.get("status") if isinstance(data, dict) else None
+    detail = data.get("detail") if isinstance(data, dict) else None
+    if status not in END_STATUSES or not isinstance(detail, (str, type(None))):
+        return None, None, f"status.json records no known end ({one_line(json.dumps(data))}): read as killed"
+    return status, detail, None
+
+
+def _read_config(run: RunLayout, problems: list[str]) -> tuple[int | None, str]:
+    """(iterations planned, algorithm) from the run's config.yaml; (None, "?") where it cannot say,
+    with the reason added to `problems`."""
+    if not run.config_path.exists():
+        return None, "?"
+    try:
+        config = yaml.safe_load(run.config_path.read_text())
+    except (OSError, ValueError, yaml.YAMLError) as error:  # ValueError: not UTF-8
+        mark = getattr(error, "problem_mark", None)
+        where = f"{error.problem}, line {mark.line + 1} column {mark.column + 1}" if mark else error
+        problems.append(f"config.yaml unreadable ({one_line(where)})")
+        return None, "?"
+    if not isinstance(config, dict):
+        problems.append(f"config.yaml is a {type(config).__name__}, not a mapping of settings")
+        return None, "?"
+    planned, iterations = None, config.get("iterations", 0)
+    if isinstance(iterations, int) and not isinstance(iterations, bool):
+        planned = iterations
+    else:
+        problems.append(f"config.yaml: iterations is {one_line(repr(iterations))}, not a whole number")
+    algorithm = config.get("algorithm") or {}
+    if not isinstance(algorithm, dict):
+        problems.append(f"config.yaml: algorithm is a {type(algorithm).__name__}, not a mapping")
+        return planned, "?"
+    return planned, printable(str(algorithm.get("estimator", "?")))
+
+
+def _last_dev_em(run: RunLayout, done: list[int], problems: list[str]) -> float | None:
+    """The dev EM of the last evaluated iteration in `done` (nan: none evaluated yet; None: the one
+    to show is unreadable, named in `problems`). Read from the last iteration back."""
+    for k in reversed(done):
+        try:
+            em = eval_scores(run.dev_eval_uri(k))[0]
+        except (duckdb.Error, OSError, ValueError, TypeError) as error:  # truncated, garbage, no `em`
+            problems.append(f"iteration={k}/dev_eval.parquet unreadable ({one_line(error)}): dev EM shown as ?")
+            return None
+        if not math.isnan(em):
+            return em
+    return math.nan
 
 
 def run_status(run: RunLayout) -> RunStatus:
-    config = yaml.safe_load(run.config_path.read_text()) if run.config_path.is_file() else None
+    """The run's row for `agentr1 runs`; what a damaged file hides is `?` (None), with one line in
+    `problems` naming the file and what is wrong with it."""
+    problems: list[str] = []
+    planned, algorithm = _read_config(run, problems)
     done = [k for k in run.iterations() if run.manifest_path("log_iteration", k).is_file()]
-    dev = [eval_scores(run.dev_eval_uri(k))[0] for k in done]
-    dev = [em for em in dev if not math.isnan(em)]
-    recorded, detail = _recorded(run)
+    last_dev_em = _last_dev_em(run, done, problems)
+    recorded, detail, problem = _read_record(run)
+    if problem:
+        problems.append(problem)
     status = "running" if lock_is_held(run.lock_path) else (recorded or "killed")
     return RunStatus(
-        run_id=run.run_id, status=status, iterations_done=len(done),
-        iterations_planned=None if config is None else int(config.get("iterations", 0)),
-        last_dev_em=dev[-1] if dev else math.nan,
-        algorithm=str(((config or {}).get("algorithm") or {}).get("estimator", "?")),
-        detail=detail if status in ("failed", "stopped") else None,
+        run_id=run.run_id, status=status, iterations_done=len(done), iterations_planned=planned,
+        last_dev_em=last_dev_em, algorithm=algorithm,
+        detail=detail if status in ("failed", "stopped") else None, problems=tuple(problems),
     )
+
+
+def list_runs(root: DataRoot) -> tuple[list[RunStatus], list[str]]:
+    """Every run under `root` that can be listed, and one line ("<run>: <problem>") per problem met:
+    a run's damaged file (the run is still listed, `?` there) or a folder that cannot be a run.
+    Hidden folders (`.ipynb_checkpoints`) and files are not runs: skipped without a word."""
+    if not root.runs_dir.is_dir():
+        return [], []
+    try:
+        folders = sorted(p.name for p in root.runs_dir.iterdir() if not p.name.startswith(".") and p.is_dir())
+    except OSError as error:
+        return [], [f"{root.runs_dir}: unreadable ({one_line(error)})"]
+    rows, problems = [], []
+    for name in folders:
+        try:
+            run = root.run(name)
+        except ValueError:
+            problems.append(f"{printable(repr(name))}: not a run id (letters, digits, '.', '_', '-'), skipped")
+            continue
+        try:
+            rows.append(run_status(run))
+        except Exception as error:  # noqa: BLE001 (one run's damage must never hide the others)
+            problems.append(f"{name}: unreadable ({type(error).__name__}: {one_line(error)}), not listed")
+            continue
+        problems += [f"{name}: {problem}" for problem in rows[-1].problems]
+    return rows, problems
+
+
+def printable(text: str) -> str:
+    """`text` with control characters escaped (`\\x1b`): a file's bytes never drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def one_line(error: object, limit: int = 200) -> str:
+    """An error (or text) as one printable line of at most `limit` characters: its first line (DuckDB
+    and YAML add context lines)."""
+    text = printable(" ".join(next((line for line in str(error).splitlines() if line.strip()), "").split()))
+    return text if len(text) <= limit else text[: limit - 3] + "..."

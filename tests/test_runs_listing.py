@@ -1,0 +1,124 @@
+"""`agentr1 runs` over a data root with damaged runs (issue 39 item 8): every readable run is
+listed, each problem is one line naming the run (or mlflow.db) and what is wrong, hidden folders
+are skipped, and the exit code is 1 when anything was unreadable (0 otherwise).
+
+The runs are real folders with the files `agentr1 runs` reads (config.yaml, status.json, the
+log_iteration manifest, a dev_eval table written by the real writer): no training needed."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from agent_core.io.layout import DataRoot
+from agent_core.io.run_status import record_run_end
+from agent_core.io.tables import write_table
+from flows.cli import main as cli_main
+
+HEADER = ["run", "status", "iterations", "dev", "EM", "algorithm"]
+
+
+def _make_run(root: DataRoot, run_id: str, iterations_done: int = 2, em: float = 0.5) -> None:
+    run = root.run(run_id)
+    run.run_dir.mkdir(parents=True)
+    run.config_path.write_text("iterations: 3\nalgorithm:\n  estimator: grpo\n")
+    for k in range(iterations_done):
+        run.manifest_path("log_iteration", k).parent.mkdir(parents=True)
+        run.manifest_path("log_iteration", k).write_text("{}")
+        rows = [{"eval_id": f"{run_id}-dev", "method": "agent", "checkpoint": "c", "data_source": "synthetic",
+                 "split": "dev", "seed": 0, "prompt_id": f"q{i}", "prediction": "x", "em": float(i < 2 * em),
+                 "f1": 0.0, "format_ok": True, "steps": 1, "tool_calls": 0, "termination": "answered"} for i in range(2)]
+        write_table("eval", rows, run.dev_eval_uri(k))
+    record_run_end(run, "finished")
+
+
+@pytest.fixture
+def root(tmp_path) -> DataRoot:
+    """Two good runs (a-good, z-good) around the one each test damages (m-bad)."""
+    root = DataRoot(tmp_path / "data")
+    for run_id in ("a-good", "m-bad", "z-good"):
+        _make_run(root, run_id)
+    return root
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+NO_CONFIG = ["m-bad", "finished", "2/?", "0.500", "?"]
+# damage -> (the file its one line names, the row still listed: `?` where the damage hides a value)
+DAMAGE = {
+    "truncated dev_eval": (lambda run: _truncate(Path(run.dev_eval_uri(1))), "dev_eval.parquet",
+                           ["m-bad", "finished", "2/3", "?", "grpo"]),
+    "config of a list": (lambda run: run.config_path.write_text("- [1]\n"), "config.yaml", NO_CONFIG),
+    "config not YAML": (lambda run: run.config_path.write_text("iterations: [\n"), "config.yaml", NO_CONFIG),
+    "iterations not a number": (lambda run: run.config_path.write_text("iterations: [1]\nalgorithm: {estimator: grpo}\n"),
+                                "config.yaml", ["m-bad", "finished", "2/?", "0.500", "grpo"]),
+    # a damaged end record reads as killed (tests/test_corrupt_resume.py), now with its line
+    "status of a list": (lambda run: run.status_path.write_text('{"status": ["x"]}'), "status.json",
+                         ["m-bad", "killed", "2/3", "0.500", "grpo"]),
+}
+
+
+def _listed(out: str) -> dict[str, list[str]]:
+    lines = out.splitlines()
+    assert lines[0].split() == HEADER, out
+    return {line.split()[0]: line.split() for line in lines[1:]}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_one_damaged_run_is_one_line_and_the_others_are_listed(root, case, capsys):
+    damage, file_named, row = DAMAGE[case]
+    damage(root.run("m-bad"))
+    code = cli_main(["runs", "--data-root", str(root.path)])
+    out, err = capsys.readouterr()
+    assert code == 1, (out, err)
+    assert "Traceback" not in out + err
+    listed = _listed(out)
+    for good in ("a-good", "z-good"):
+        assert listed[good] == [good, "finished", "2/3", "0.500", "grpo"], out
+    problems = err.strip().splitlines()
+    assert len(problems) == 1, err
+    assert problems[0].startswith("agentr1: runs: m-bad: ") and file_named in problems[0], err
+    assert listed["m-bad"] == row, out  # what could be read of it is still listed
+
+
+def test_hidden_folders_and_stray_files_are_skipped_silently(root, capsys):
+    shutil.copytree(root.run("a-good").run_dir, root.runs_dir / ".ipynb_checkpoints")
+    (root.runs_dir / ".ipynb_checkpoints" / "config.yaml").write_text("- [1]\n")
+    (root.runs_dir / "notes.txt").write_text("not a run\n")
+    assert cli_main(["runs", "--data-root", str(root.path)]) == 0
+    out, err = capsys.readouterr()
+    assert sorted(_listed(out)) == ["a-good", "m-bad", "z-good"] and err == "", (out, err)
+
+
+def test_a_folder_that_is_no_run_id_is_named_not_a_crash(root, capsys):
+    (root.runs_dir / "my run").mkdir()
+    assert cli_main(["runs", "--data-root", str(root.path)]) == 1
+    out, err = capsys.readouterr()
+    assert sorted(_listed(out)) == ["a-good", "m-bad", "z-good"], out
+    assert err.strip().splitlines() == [line for line in err.strip().splitlines() if "'my run'" in line] != [], err
+
+
+def test_a_truncated_mlflow_store_degrades_to_the_listing_and_one_line(root, capsys):
+    with closing(sqlite3.connect(root.mlflow_db)) as db:  # a store with pages to lose, then cut in half
+        db.execute("CREATE TABLE experiments (artifact_location TEXT)")
+        db.executemany("INSERT INTO experiments VALUES (?)", [(f"/old/mlartifacts/{i}",) for i in range(2000)])
+        db.commit()
+    _truncate(root.mlflow_db)
+    assert cli_main(["runs", "--data-root", str(root.path)]) == 1
+    out, err = capsys.readouterr()
+    assert sorted(_listed(out)) == ["a-good", "m-bad", "z-good"], out
+    problems = err.strip().splitlines()
+    assert len(problems) == 1 and "mlflow.db" in problems[0] and "Traceback" not in err, err
+
+
+def test_control_characters_of_a_recorded_error_are_not_printed_raw(root, capsys):
+    record_run_end(root.run("m-bad"), "failed", "boom \x1b[2J\x1b[31mred")
+    assert cli_main(["runs", "--data-root", str(root.path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "boom \\x1b[2J" in out, out
