@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import time
 from pathlib import Path
 
 import schemas
@@ -12,7 +14,7 @@ from agent_core.data.prompt_files import load_prompt_files
 from agent_core.data.rows import check_table_envs, document_to_row, prompt_to_row
 from agent_core.data.synthetic import SyntheticQA, generate_synthetic_qa
 from agent_core.io.layout import DataRoot, RunLayout
-from agent_core.io.manifests import StageRecord
+from agent_core.io.manifests import StageRecord, read_manifest
 from agent_core.io.tables import TableReadError, read_table, table_exists, write_table, write_tables
 from tasks._common import DatasetUris, completed_outputs, stage_logger, stage_task
 
@@ -37,10 +39,15 @@ def load_dataset(data: DataConfig) -> SyntheticQA:
 
 @stage_task(name="prepare_dataset")
 def prepare_dataset(data_root: str, data: DataConfig) -> DatasetUris:
-    """Generate or load the dataset and its corpus, unless this exact dataset exists already. A table
-    there that is no longer readable Parquet (truncated, overwritten) is written again: the dataset is
-    a function of the config (and its source files), so the same bytes come back and the runs that
-    read it see no change."""
+    """Generate or load the dataset and its corpus, unless this exact dataset exists already. The
+    dataset is a function of its id: the config for a generated one, the source files' bytes and
+    the load settings for a loaded one (loaded again on every call, agent_core/data/loaders.py), so
+    it can always be rebuilt to the same bytes. Hence a table there that is no longer readable
+    Parquet, or that is readable but no longer what was prepared (its SHA-256 differs from the
+    dataset's manifest, `datasets/<id>/_manifests/prepare_dataset.json`: edited by hand), is named
+    and written again; the runs that read it see no change. An edited file is kept aside
+    (`<table>.parquet.edited-<time>`), never used. A dataset prepared before dataset manifests is
+    compared with a fresh build once, and gets its manifest when they match."""
     log = stage_logger("prepare_dataset")
     dataset = load_dataset(data)
     root = DataRoot(Path(data_root))
@@ -49,24 +56,77 @@ def prepare_dataset(data_root: str, data: DataConfig) -> DatasetUris:
         root.dataset_table_uri(dataset.dataset_id, "dataset_prompts"),
         root.dataset_table_uri(dataset.dataset_id, "corpus"),
     )
+    outputs = {"dataset_prompts": uris.prompts_uri, "corpus": uris.corpus_uri}
+    record = StageRecord(root.dataset_dir(dataset.dataset_id) / "_manifests" / "prepare_dataset.json",
+                         "prepare_dataset", inputs={}, params={"dataset_id": dataset.dataset_id})
+    built = _Built(dataset, data.source)
     if table_exists(uris.prompts_uri) and table_exists(uris.corpus_uri):
         try:
-            prompts = read_table("dataset_prompts", uris.prompts_uri)
-            read_table("corpus", uris.corpus_uri)
+            found = {name: read_table(name, uri) for name, uri in outputs.items()}
         except TableReadError as error:  # not Parquet any more (truncated, overwritten): made again, below
             log.warning("dataset %s: %s; writing the dataset again", dataset.dataset_id, error)
         else:
             # Every later stage reads these prompts: readable but hand-edited bad rows fail here, named.
-            check_table_envs("dataset_prompts", prompts, uris.prompts_uri)
-            log.info("dataset %s already prepared", dataset.dataset_id)
-            return uris
-    prompts = schemas.table_from_rows("dataset_prompts", [prompt_to_row(p) for p in dataset.prompts])
+            check_table_envs("dataset_prompts", found["dataset_prompts"], uris.prompts_uri)
+            changed = _changed_tables(record, outputs, found, built, log)
+            if not changed:
+                log.info("dataset %s already prepared", dataset.dataset_id)
+                return uris
+            kept = [_keep_aside(Path(outputs[name])) for name in changed]
+            log.warning("dataset %s: %s changed since it was prepared; rebuilt from its %s source, the edited "
+                        "file kept as %s (to train on other data, give it as a dataset of its own: data.source jsonl)",
+                        dataset.dataset_id, " and ".join(Path(outputs[n]).name for n in changed), data.source,
+                        " and ".join(path.name for path in kept))
+    prompts = built.table("dataset_prompts")
     check_table_envs("dataset_prompts", prompts, f"{data.source} dataset {dataset.dataset_id}, not written")
     # Both tables are checked before either is written: a bad one leaves no half-made dataset.
-    write_tables(("corpus", [document_to_row(d) for d in dataset.documents], uris.corpus_uri),
-                 ("dataset_prompts", prompts, uris.prompts_uri))
+    write_tables(("corpus", built.table("corpus"), uris.corpus_uri), ("dataset_prompts", prompts, uris.prompts_uri))
+    before = read_manifest(record.path)
+    after = record.commit(outputs, counted=False)  # a dataset is no run's output (run_status.record_run_failure)
+    if before is not None and before.output_fingerprints != after.output_fingerprints:
+        log.warning("dataset %s: the rebuilt tables' bytes differ from those first prepared (another pyarrow?); "
+                    "the stages that read them will run again", dataset.dataset_id)
     log.info("dataset %s: %d prompts, %d documents", dataset.dataset_id, len(dataset.prompts), len(dataset.documents))
     return uris
+
+
+class _Built:
+    """The dataset's tables as prepare_dataset writes them, built on first use."""
+
+    def __init__(self, dataset: SyntheticQA, source: str):
+        self.dataset, self.source, self._tables = dataset, source, {}
+
+    def table(self, name: str):
+        if name not in self._tables:
+            rows = ([prompt_to_row(p) for p in self.dataset.prompts] if name == "dataset_prompts"
+                    else [document_to_row(d) for d in self.dataset.documents])
+            self._tables[name] = schemas.table_from_rows(name, rows)
+        return self._tables[name]
+
+
+def _changed_tables(record: StageRecord, outputs: dict[str, str], found: dict, built: _Built, log) -> list[str]:
+    """The dataset tables (names) that are not what was prepared: by the manifest's sizes and
+    SHA-256; for a dataset without a manifest (prepared before dataset manifests, or the manifest
+    damaged) by content against a fresh build, recording the manifest when they match."""
+    check = record.check()
+    if check.outputs is not None:
+        return []
+    if check.damaged:
+        return [name for name in outputs if any(entry.startswith(f"{name} (") for entry in check.damaged)]
+    changed = [name for name in outputs if not found[name].equals(schemas.validate(name, built.table(name)))]
+    if not changed:
+        record.commit(outputs, counted=False)
+        log.warning("dataset %s had no manifest (prepared before datasets had them, or it was damaged): its "
+                    "tables equal a fresh build, their SHA-256 now recorded in %s", Path(outputs["corpus"]).parent.name,
+                    record.path)
+    return changed
+
+
+def _keep_aside(path: Path) -> Path:
+    """Move an edited dataset table out of the way (a name no reader globs): the user's edit is kept."""
+    kept = path.with_name(f"{path.name}.edited-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
+    os.replace(path, kept)
+    return kept
 
 
 @stage_task(name="prepare_data")

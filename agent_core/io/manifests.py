@@ -205,9 +205,11 @@ class StageRecord:
             return StageCheck(None, "outputs missing or damaged", damaged)
         return StageCheck(dict(manifest.outputs))
 
-    def commit(self, outputs: Mapping[str, str | os.PathLike], metrics: Mapping[str, float] | None = None) -> StageManifest:
+    def commit(self, outputs: Mapping[str, str | os.PathLike], metrics: Mapping[str, float] | None = None,
+               counted: bool = True) -> StageManifest:
         """Record the stage as complete; call after every output is in place. `metrics`: facts about
-        this execution worth keeping with it (its wall seconds), read back by `read_manifest`."""
+        this execution worth keeping with it (its wall seconds), read back by `read_manifest`.
+        counted=False: not one of `commits_made` (a dataset's manifest: no run output changed)."""
         global _commits
         outputs = {name: os.fspath(path) for name, path in outputs.items()}
         missing = [f"{name} ({path})" for name, path in outputs.items() if fingerprint(path) == ABSENT]
@@ -221,7 +223,7 @@ class StageRecord:
             output_sizes={name: output_size(path) for name, path in outputs.items()},
         )
         write_manifest(manifest, self.path)
-        _commits += 1
+        _commits += counted
         return manifest
 
     def _input_fingerprints(self) -> dict[str, str]:
