@@ -12,6 +12,7 @@
       runs/<run_id>/[iteration=<k>/]_manifests/<stage>.json  what a completed stage read and wrote (io/manifests.py)
       runs/<run_id>/.lock                            held by the process writing the run (io/locks.py)
       datasets/<dataset_id>/{prompts,corpus}.parquet shared by every run that uses the dataset
+      datasets/<dataset_id>/_manifests/prepare_dataset.json  their hashes (an edited table is rebuilt)
       evals/<eval_id>/<method>/seed=<s>/eval.parquet one evaluation's episodes; evals/<eval_id>/report.md
       prefect/                                       PREFECT_HOME
       mlflow.db, mlartifacts/                        MLflow tracking store and artifacts
