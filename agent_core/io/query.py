@@ -29,21 +29,20 @@ hive_partitioning=true)`:
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pyarrow as pa
 
 from agent_core.io.ledger import derived_views
-from agent_core.io.query_files import (TABLE_FOLDERS, IgnoredFileWarning, _linked, _schemas, _snapshot_folder,
-                                       dataset_table_files, eval_table_files, remove_stale_snapshots, run_table_files)
+from agent_core.io.query_files import (TABLE_FOLDERS, IgnoredFileWarning, dataset_table_files, eval_table_files,
+                                       remove_stale_snapshots, run_table_files, snapshot, table_schemas, table_views)
 from agent_core.io.query_output import RESULT_SUFFIXES, check_result_path, write_result
 from agent_core.io.readonly_sql import QueryError, QueryInterrupted, ReadOnlyCatalog, TableFile, check_select
 
 __all__ = ["IgnoredFileWarning", "QueryError", "QueryInterrupted", "RESULT_SUFFIXES", "TABLE_FOLDERS",
            "check_episode_selection", "check_result_path", "check_select", "dataset_table_files", "eval_table_files",
            "format_table", "has_tables", "open_catalog", "remove_stale_snapshots", "run_query", "run_table_files",
-           "select_episode_ids", "write_result", "_linked", "_schemas", "_snapshot_folder"]
+           "select_episode_ids", "write_result"]
 
 
 def open_catalog(data_root: Path, snapshot_dir: Path | None = None, memory_limit: str | None = None) -> ReadOnlyCatalog:
@@ -59,9 +58,7 @@ def open_catalog(data_root: Path, snapshot_dir: Path | None = None, memory_limit
     resolved path, never a symlink. `memory_limit`: DuckDB's (default: a quarter of the memory).
     """
     tables = {**run_table_files(data_root), **dataset_table_files(data_root), **eval_table_files(data_root)}
-    views = {name: _linked(files, snapshot_dir / name) if snapshot_dir else [TableFile(p.resolve(), p) for p in files]
-             for name, files in tables.items()}
-    catalog = ReadOnlyCatalog(views, _schemas(), memory_limit=memory_limit)
+    catalog = ReadOnlyCatalog(table_views(tables, snapshot_dir), table_schemas(), memory_limit=memory_limit)
     for name, select in derived_views(set(catalog.views())):  # step_costs, costs (io/ledger.py)
         catalog.add_view(name, select)
     return catalog
@@ -83,13 +80,8 @@ def run_query(data_root: Path, sql: str, timeout: float | None = None, memory_li
     """
     check_select(sql)  # refused before a snapshot folder is made
     remove_stale_snapshots(Path(data_root))
-    snapshot_dir = _snapshot_folder(Path(data_root))
-    try:
-        with open_catalog(data_root, snapshot_dir, memory_limit) as catalog:
-            return catalog.select(sql, timeout=timeout)
-    finally:
-        if snapshot_dir is not None:
-            shutil.rmtree(snapshot_dir, ignore_errors=True)
+    with snapshot(data_root) as snapshot_dir, open_catalog(data_root, snapshot_dir, memory_limit) as catalog:
+        return catalog.select(sql, timeout=timeout)
 
 
 SELECTION_VIEWS = ("steps", "rewards")
@@ -103,7 +95,7 @@ def select_episode_ids(sql: str, tables: dict[str, str]) -> list[str]:
     QueryError otherwise, or on a SQL error.
     """
     views = {name: [TableFile(Path(uri), Path(uri))] for name, uri in tables.items()}
-    with ReadOnlyCatalog(views, _schemas()) as catalog:
+    with ReadOnlyCatalog(views, table_schemas()) as catalog:
         result = catalog.select(sql, columns=["episode_id"])
     return [str(v) for v in dict.fromkeys(result.column("episode_id").to_pylist()) if v is not None]
 
@@ -113,7 +105,7 @@ def check_episode_selection(sql: str) -> None:
     SELECT, reading a file that is not one of its views (DuckDB refuses at bind), a column or view
     that does not exist, no episode_id column. Bound against empty `steps` and `rewards` views of
     their schemas, so nothing is read; QueryError, one line."""
-    views = {name: schema for name, schema in _schemas().items() if name in SELECTION_VIEWS}
+    views = {name: schema for name, schema in table_schemas().items() if name in SELECTION_VIEWS}
     with ReadOnlyCatalog({name: [] for name in SELECTION_VIEWS}, views) as catalog:
         catalog.relation(sql, columns=["episode_id"])
 

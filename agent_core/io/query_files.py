@@ -22,6 +22,8 @@ import stat
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -47,7 +49,7 @@ def _ignore(path: Path, why: str) -> None:
     warnings.warn(f"ignored {path}: {why}", IgnoredFileWarning, stacklevel=3)
 
 
-def _schemas() -> dict[str, pa.Schema]:
+def table_schemas() -> dict[str, pa.Schema]:
     return {name: spec.arrow_schema for name, spec in getattr(schemas, "TABLES", {}).items()}
 
 
@@ -55,7 +57,7 @@ def run_table_names() -> tuple[str, ...]:
     """The tables a run writes into `iteration=<k>/`: the run tables, `health` (the audit's), the
     ledger, every other table of `schemas.TABLES` that is not a dataset's or an eval's, and `dev_eval`."""
     names = dict.fromkeys((*RUN_TABLES, "health", LEDGER_TABLE))
-    names.update(dict.fromkeys(n for n in _schemas() if n not in DATASET_TABLES and n != "eval"))
+    names.update(dict.fromkeys(n for n in table_schemas() if n not in DATASET_TABLES and n != "eval"))
     return (*names, "dev_eval")
 
 
@@ -145,6 +147,25 @@ def _linked(files: list[Path], folder: Path) -> list[TableFile]:
             continue
         linked.append(TableFile(link, path))
     return linked
+
+
+def table_views(tables: dict[str, list[Path]], snapshot_dir: Path | None) -> dict[str, list[TableFile]]:
+    """Each table's files as the catalog reads them: hard links in `snapshot_dir` (`_linked`), or
+    without a snapshot the resolved files themselves (DuckDB is never handed a symlink)."""
+    return {name: _linked(files, snapshot_dir / name) if snapshot_dir else [TableFile(p.resolve(), p) for p in files]
+            for name, files in tables.items()}
+
+
+@contextmanager
+def snapshot(data_root: Path) -> Iterator[Path | None]:
+    """A query's snapshot folder under `data_root` (`_snapshot_folder`; None where the root cannot be
+    written), removed when the block ends."""
+    folder = _snapshot_folder(Path(data_root))
+    try:
+        yield folder
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _owner_tag() -> str:

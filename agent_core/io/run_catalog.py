@@ -12,17 +12,15 @@ an audit's cost does not grow with the run's length.
 from __future__ import annotations
 
 import re
-import shutil
 from collections.abc import Collection, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
 
 from agent_core.io.layout import RunLayout
-from agent_core.io.query import _linked, _schemas, _snapshot_folder, run_table_files
-from agent_core.io.readonly_sql import QueryError, ReadOnlyCatalog, TableFile
+from agent_core.io.query_files import run_table_files, snapshot, table_schemas, table_views
+from agent_core.io.readonly_sql import QueryError, ReadOnlyCatalog
 
 _ITERATION = re.compile(r"^iteration=(\d+)$")
 AUDIT_COLUMNS = ("iteration", "value")  # what every check's SELECT returns: one value per iteration
@@ -44,22 +42,16 @@ def _run_files(run: RunLayout, iterations: Collection[int] | None) -> dict[str, 
 def open_run_catalog(run: RunLayout, iterations: Collection[int] | None = None) -> Iterator[ReadOnlyCatalog]:
     """A read-only catalog over `run`'s tables of `iterations` (all: None), reading snapshot hard links
     (a table a live run replaces meanwhile is read whole); a table with no file is an empty view."""
-    snapshot_dir = _snapshot_folder(Path(run.data_root))
-    try:
-        views = {name: _linked(paths, snapshot_dir / name) if snapshot_dir else [TableFile(p, p) for p in paths]
-                 for name, paths in _run_files(run, iterations).items()}
-        with ReadOnlyCatalog(views, _schemas()) as catalog:
+    with snapshot(run.data_root) as snapshot_dir:
+        with ReadOnlyCatalog(table_views(_run_files(run, iterations), snapshot_dir), table_schemas()) as catalog:
             yield catalog
-    finally:
-        if snapshot_dir is not None:
-            shutil.rmtree(snapshot_dir, ignore_errors=True)
 
 
 def check_run_sql(sql: str, columns: Sequence[str] = AUDIT_COLUMNS) -> None:
     """Refuse, before any run starts, an audit SQL the audit would refuse: not one SELECT, a file or
     column or view that does not exist, without `columns`. Bound (not run) against empty views of the
     run tables' schemas; QueryError in one line (DuckDB's own error)."""
-    schemas = _schemas()
+    schemas = table_schemas()
     names = [name for name in schemas if name not in ("dataset_prompts", "corpus", "eval")]
     with ReadOnlyCatalog({name: [] for name in names}, schemas) as catalog:
         catalog.relation(sql, columns=columns)
