@@ -23,7 +23,7 @@ from prefect.logging import get_run_logger
 
 from agent_core.config import ClusterConfig, RewardConfig, RolloutConfig
 from agent_core.data.rows import prompts_from_table, row_to_document
-from agent_core.envs.agent_program import ENV_NAME as PROGRAM_ENV, ProgramSpec
+from agent_core.envs.agent_program import ENV_NAME as PROGRAM_ENV, ProgramJail, ProgramSpec
 from agent_core.envs.registry import EnvResources, make_env
 from agent_core.envs.search import shared_index
 from agent_core.envs.tool_env import ChatCapabilities
@@ -178,14 +178,15 @@ def env_of(prompt: Prompt, cfg: RolloutConfig) -> tuple[str, dict]:
 def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConfig, *, seed: int,
              policy_version: int, episode_prefix: str, group_size: int | None = None,
              timings: RolloutTimings | None = None, spec: RolloutSpec | None = None,
-             corpus_path: str | None = None) -> list:
+             corpus_path: str | None = None, private_root: str | None = None) -> list:
     """Episodes of `prompts` with `engine` in the config's envs; the step records (also used by the
     warm start's oracle episodes and by eval). The search index is built once per corpus, not per rollout
     (`shared_index`). `timings`: where the time outside generate went (bench/rollout.py). `spec`: the
     loop and sampling settings, default the config's (`RolloutSpec.from_config`); eval passes
     `RolloutSpec.for_eval`'s, so it runs with training's context policy and budgets. Prompts in env
     `agent_program` run the user's program against the gateway instead (`_roll_out_programs`);
-    `corpus_path`: the corpus table those programs may search (AGENTR1_CORPUS)."""
+    `corpus_path`: the corpus table those programs may search (AGENTR1_CORPUS); `private_root`: the
+    data root they may not see (all of it hidden from them but the corpus)."""
     spec = RolloutSpec.from_config(cfg) if spec is None else spec
     is_program = [env_of(p, cfg)[0] == PROGRAM_ENV for p in prompts]
     if any(is_program):
@@ -196,7 +197,8 @@ def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConf
                           spec=spec) if others else []
         return looped + _roll_out_programs(engine, tokenizer, programs, cfg, spec, seed=seed,
                                            policy_version=policy_version, episode_prefix=episode_prefix,
-                                           group_size=group_size, corpus_path=corpus_path)
+                                           group_size=group_size, corpus_path=corpus_path,
+                                           private_root=private_root)
     timings = RolloutTimings() if timings is None else timings
     chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
     started = time.perf_counter()
@@ -211,9 +213,11 @@ def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConf
 
 def _roll_out_programs(engine, tokenizer, prompts: list, cfg: RolloutConfig, spec: RolloutSpec, *, seed: int,
                        policy_version: int, episode_prefix: str, group_size: int | None,
-                       corpus_path: str | None) -> list:
+                       corpus_path: str | None, private_root: str | None) -> list:
     """Env agent_program's episodes: the program of each prompt's env_kwargs, one run per episode,
-    through the gateway over `engine` (agent_core/gateway/program_rollout.py)."""
+    through the gateway over `engine` (agent_core/gateway/program_rollout.py), each jailed (the data
+    root hidden from it but the corpus) when `private_root` is given."""
+    jail = None if private_root is None else ProgramJail.around([private_root], [corpus_path])
     chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
     steps = []
     by_spec: dict[ProgramSpec, list] = {}
@@ -222,7 +226,7 @@ def _roll_out_programs(engine, tokenizer, prompts: list, cfg: RolloutConfig, spe
     for program, group in by_spec.items():
         settings = ProgramRollout(group_size=group_size or spec.group_size, max_calls=spec.max_steps,
                                   max_context_tokens=spec.max_context_tokens, policy_version=policy_version,
-                                  episode_prefix=episode_prefix, corpus_path=corpus_path)
+                                  episode_prefix=episode_prefix, corpus_path=corpus_path, jail=jail)
         steps += run_program_episodes(engine, tokenizer, group, program, spec.sampling(seed, eos_token_ids(tokenizer)),
                                       settings, chat)
     return steps

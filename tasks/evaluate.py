@@ -38,13 +38,13 @@ EVAL_EXPERIMENT = "agentr1-eval"
 
 
 def _evaluate_into(uri: str, registered: str, checkpoint: str, prompts: list, dataset: DatasetUris,
-                   settings: EvalSettings, **columns) -> float:
+                   settings: EvalSettings, data_root: str, **columns) -> float:
     """Run the registered method `registered` with the policy at `checkpoint`; write its episodes
     (plus the constant `columns`: eval_id, method label, split) as the eval table `uri`; return the mean EM.
-    Agent-loop methods run their episodes through training's rollout driver (`roll_out`; a program
-    of env agent_program may search the dataset's corpus table, as in training)."""
+    Agent-loop methods run their episodes through training's rollout driver (`roll_out`; a program of
+    env agent_program may search the dataset's corpus table and sees nothing else of `data_root`)."""
     episodes = call_method(EVAL_METHODS.get(registered), Path(checkpoint), prompts, read_corpus(dataset.corpus_uri),
-                           settings, roll_out=partial(roll_out, corpus_path=dataset.corpus_uri))
+                           settings, roll_out=partial(roll_out, corpus_path=dataset.corpus_uri, private_root=data_root))
     write_table("eval", rows_of(episodes, checkpoint=str(checkpoint), seed=settings.seed, **columns), uri)
     return sum(e.em for e in episodes) / max(len(episodes), 1)
 
@@ -62,7 +62,7 @@ def evaluate(data_root: str, eval_id: str, method: str, checkpoint: str, dataset
         return uri
     prompts = split_prompts(dataset, split, limit)
     with stage_progress("evaluate", f"eval {method} seed {settings.seed}", "prompts"):
-        em = _evaluate_into(uri, runs_as or method, checkpoint, prompts, dataset, settings,
+        em = _evaluate_into(uri, runs_as or method, checkpoint, prompts, dataset, settings, data_root,
                             eval_id=eval_id, method=method, split=split)
     log.info("%s seed %d: %d prompts, EM %.3f -> %s", method, settings.seed, len(prompts), em, uri)
     return uri
@@ -110,7 +110,7 @@ def dev_eval(run: RunLayout, iteration: int | None, policy_dir: str, dataset: Da
         return done["eval"]
     prompts = split_prompts(dataset, cfg.split, cfg.prompts)
     with stage_progress("dev_eval", f"dev eval {which}", "prompts"):
-        em = _evaluate_into(uri, "agent", policy_dir, prompts, dataset, settings,
+        em = _evaluate_into(uri, "agent", policy_dir, prompts, dataset, settings, str(run.data_root),
                             eval_id=f"{run.run_id}-dev-{'start' if iteration is None else iteration}", method="agent",
                             split=cfg.split)
     record.commit({"eval": uri})

@@ -50,7 +50,7 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
         with stage_progress("rollout", f"rollout iteration {iteration}", "episodes"):
             records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
                                policy_version=version, episode_prefix=f"{run.run_id}-i{iteration}-",
-                               corpus_path=corpus_uri)
+                               corpus_path=corpus_uri, private_root=str(run.data_root))
     finally:
         close_engine(engine)
     rows = rows_of(records, run_id=run.run_id, iteration=iteration)  # shallow: asdict deep-copies every token list

@@ -11,8 +11,12 @@ Every fault of the program is a failed outcome with a one-line reason, never an 
 could not start, it exited non-zero or was killed by a signal, it ran past `timeout_s` (its whole
 process group gets SIGTERM, then SIGKILL after a short grace, so the tools and shells it started
 die with it), or its last stdout line is not such an object. After every run, even a clean one,
-the group is killed: a program cannot leave processes behind in it. Known limit: a grandchild that
-calls setsid() leaves the group and outlives the run.
+the group is killed: a program cannot leave processes behind in it.
+
+A program is untrusted code: with a `ProgramJail` each runs through `program_jail.py` in its own
+user, mount and PID namespaces, with a private /proc (a sibling's token is out of sight), the data
+root hidden but for what it may read (the corpus), and every descendant killed with it even past
+setsid(). `ProgramOutcome.jail` says which layers a run got and why the kernel refused any other.
 
 stdout and stderr are drained by threads as the program writes (a full pipe never blocks it), and
 only the LAST `max_output_bytes` of each are kept (the answer is the last line); the outcome notes
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -42,6 +47,7 @@ STDERR_TAIL_BYTES = 2048
 TERM_GRACE_S = 1.0  # between SIGTERM and SIGKILL of a program past its limit
 _DRAIN_GRACE_S = 2.0  # how long to wait for the pipes to reach EOF once the group is dead
 _REASON_CHARS = 300  # of stderr or stdout quoted in a failure line
+_JAIL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "program_jail.py")
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,30 @@ def _argv_part(part: Any) -> str:
 
 
 @dataclass(frozen=True)
+class ProgramJail:
+    """What a jailed program may not see (`hide`: directories covered by an empty read-only tmpfs,
+    e.g. the data root) and may read beneath them (`expose`: files or directories bound back
+    read-only at their own paths, e.g. the corpus). Absolute paths."""
+
+    hide: tuple[str, ...] = ()
+    expose: tuple[str, ...] = ()
+
+    @classmethod
+    def around(cls, hide: Sequence[str | os.PathLike], expose: Sequence[str | os.PathLike | None] = ()) -> "ProgramJail":
+        """Resolved (symlinks too: a mount covers the real directory) and without missing paths."""
+        real = (lambda paths: tuple(dict.fromkeys(os.path.realpath(p) for p in paths if p and os.path.exists(p))))
+        return cls(real(hide), real(expose))
+
+
+@dataclass(frozen=True)
+class JailReport:
+    """The layers a jailed run got (program_jail.LAYERS) and, for each one refused, the kernel's reason."""
+
+    layers: tuple[str, ...]
+    refused: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class ProgramJob:
     """One run. key: the episode id. stdin: the JSON object written to its stdin. env: variables
     added to the caller's environment."""
@@ -118,18 +148,20 @@ class ProgramOutcome:
     returncode: int | None
     seconds: float
     stderr_tail: str
+    jail: JailReport | None = None
 
 
 def run_programs(spec: ProgramSpec, jobs: Sequence[ProgramJob],
-                 on_done: Callable[[ProgramOutcome], None] | None = None) -> list[ProgramOutcome]:
-    """Run every job, at most spec.max_parallel at once; call on_done (from a worker thread) as each
-    ends; return the outcomes in job order. Never raises for a program's fault (an exception raised
-    by on_done itself is re-raised here, after every job has ended)."""
+                 on_done: Callable[[ProgramOutcome], None] | None = None,
+                 jail: ProgramJail | None = None) -> list[ProgramOutcome]:
+    """Run every job, at most spec.max_parallel at once, each in `jail` when one is given; call
+    on_done (from a worker thread) as each ends; return the outcomes in job order. Never raises for
+    a program's fault (an exception raised by on_done itself is re-raised here, after every job has ended)."""
     if not jobs:
         return []
 
     def run_and_report(job: ProgramJob) -> ProgramOutcome:
-        outcome = run_program(spec, job)
+        outcome = run_program(spec, job, jail)
         if on_done is not None:
             on_done(outcome)
         return outcome
@@ -140,25 +172,36 @@ def run_programs(spec: ProgramSpec, jobs: Sequence[ProgramJob],
     return [future.result() for future in futures]
 
 
-def run_program(spec: ProgramSpec, job: ProgramJob) -> ProgramOutcome:
+def run_program(spec: ProgramSpec, job: ProgramJob, jail: ProgramJail | None = None) -> ProgramOutcome:
     """One run of the program for `job` (see the module docstring); never raises for its faults."""
     started = time.monotonic()
+    report: JailReport | None = None
 
     def failed(reason: str, returncode: int | None = None, stderr: str = "") -> ProgramOutcome:
-        return ProgramOutcome(job.key, None, reason, returncode, time.monotonic() - started, stderr)
+        return ProgramOutcome(job.key, None, reason, returncode, time.monotonic() - started, stderr, report)
 
     try:
         payload = (json.dumps(job.stdin, ensure_ascii=False) + "\n").encode("utf-8")
     except (TypeError, ValueError) as error:
         return failed(f"the prompt could not be written as JSON for the program's stdin: {error}")
+    status_read, status_write = os.pipe() if jail is not None else (None, None)
     try:
-        process = subprocess.Popen(list(spec.command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, env=_environment(job.env), start_new_session=True)
+        argv = list(spec.command) if jail is None else _jailed(spec.command, jail, status_write)
+        process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   env=_environment(job.env), start_new_session=True,
+                                   pass_fds=() if status_write is None else (status_write,))
     except (OSError, ValueError) as error:
+        if status_read is not None:
+            os.close(status_read)
         return failed(f"could not start {spec.command[0]!r}: {_one_line(str(error))}")
+    finally:
+        if status_write is not None:
+            os.close(status_write)
     stdout, stderr = (_TailReader(stream, spec.max_output_bytes) for stream in (process.stdout, process.stderr))
     threading.Thread(target=_feed, args=(process.stdin, payload), daemon=True).start()
-    timed_out = not _wait_unreaped(process.pid, spec.timeout_s)
+    if status_read is not None:
+        report = _read_jail_report(status_read, spec.timeout_s)
+    timed_out = not _wait_unreaped(process.pid, max(0.0, spec.timeout_s - (time.monotonic() - started)))
     if timed_out:
         _terminate_group(process.pid)
     _kill_group(process.pid)  # also whatever the program left running in its group
@@ -176,7 +219,33 @@ def run_program(spec: ProgramSpec, job: ProgramJob) -> ProgramOutcome:
     if problem is not None:
         dropped = f" (stdout over {spec.max_output_bytes} bytes, only its end kept)" if stdout.dropped else ""
         return failed(problem + dropped, returncode, stderr_tail)
-    return ProgramOutcome(job.key, answer, None, returncode, time.monotonic() - started, stderr_tail)
+    return ProgramOutcome(job.key, answer, None, returncode, time.monotonic() - started, stderr_tail, report)
+
+
+def _jailed(command: Sequence[str], jail: ProgramJail, status_fd: int) -> list[str]:
+    """The argv that runs `command` inside program_jail.py (stdlib only: `-I -S`, no site-packages)."""
+    spec = {"argv": list(command), "hide": list(jail.hide), "expose": list(jail.expose), "cwd": os.getcwd(),
+            "status_fd": status_fd}
+    return [sys.executable, "-I", "-S", "-B", _JAIL_SCRIPT, json.dumps(spec)]
+
+
+def _read_jail_report(status_read: int, timeout_s: float) -> JailReport:
+    """The jail's one status line, read before the program's output matters; a jail that died
+    before writing it (killed, out of memory) reads as no layers."""
+    text, deadline = b"", time.monotonic() + timeout_s
+    try:
+        while not text.endswith(b"\n") and select.select([status_read], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = os.read(status_read, 4096)
+            if not chunk:
+                break
+            text += chunk
+    finally:
+        os.close(status_read)
+    try:
+        status = json.loads(text)
+        return JailReport(tuple(status["layers"]), tuple(sorted(status["refused"].items())))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return JailReport((), (("all", "the jail ended before it reported its layers"),))
 
 
 def parse_answer(stdout: str) -> tuple[str | None, str | None]:

@@ -5,7 +5,8 @@ For each episode the gateway opens a bearer token, the program gets it as OPENAI
 OPENAI_BASE_URL, AGENTR1_EPISODE_ID and AGENTR1_CORPUS (the dataset's corpus Parquet, when there is
 one), and the prompt on stdin as JSON: {"prompt_id", "messages", "env_kwargs", "metadata"} (never
 the gold answers). `run_programs` (agent_core/envs/agent_program.py) runs them, bounded and time
-limited; as each program ends its episode is finished (its token stops working) and its calls turn
+limited, each in `settings.jail` (the data root hidden but for the corpus; own PID namespace and
+/proc, so no sibling reads its token); as each program ends its episode is finished (its token stops working) and its calls turn
 into steps (agent_core/gateway/steps.py). A program that fails is a failed episode, never a failed
 rollout; one that failed before its first call still gets one step (`_first_actions`).
 """
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from agent_core.envs.agent_program import ProgramJob, ProgramOutcome, ProgramSpec, run_programs
+from agent_core.envs.agent_program import ProgramJail, ProgramJob, ProgramOutcome, ProgramSpec, run_programs
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.gateway.core import EpisodeCalls
 from agent_core.gateway.server import Gateway, GatewayLimits
@@ -44,6 +45,7 @@ class ProgramRollout:
     episode_prefix: str = ""
     corpus_path: str | None = None
     honor_request_sampling: bool = False
+    jail: ProgramJail | None = None
 
 
 def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], spec: ProgramSpec,
@@ -78,7 +80,8 @@ def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], s
                            _environment(gateway.base_url, tokens[identity.episode_id], identity.episode_id,
                                         settings.corpus_path))
                 for identity in identities]
-        outcomes = run_programs(spec, jobs, on_done)
+        outcomes = run_programs(spec, jobs, on_done, settings.jail)
+    _say_missing_layers(outcomes)
     failures = [o for o in outcomes if o.failure is not None]
     if failures:
         log.warning("agent_program: %d of %d programs failed; first: %s: %s", len(failures), len(outcomes),
@@ -88,6 +91,16 @@ def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], s
     log.info("agent_program rollout: %d episodes, %d steps in %.1fs", len(identities),
              sum(len(r) for r in steps.values()), time.perf_counter() - started)
     return [record for identity in identities for record in steps[identity.episode_id]]
+
+
+def _say_missing_layers(outcomes: Sequence[ProgramOutcome]) -> None:
+    """One warning per rollout naming each isolation layer the kernel refused, and why."""
+    refused = {layer: why for o in outcomes if o.jail is not None for layer, why in o.jail.refused}
+    if refused:
+        log.warning("agent_program: programs ran without isolation layer(s) %s",
+                    "; ".join(f"{layer} ({why})" for layer, why in sorted(refused.items())))
+    elif any(o.jail is not None for o in outcomes):
+        log.info("agent_program: programs isolated (%s)", ", ".join(next(o.jail.layers for o in outcomes if o.jail)))
 
 
 def _repeat(prompts: Sequence[Prompt], times: int) -> list[Prompt]:
