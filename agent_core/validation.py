@@ -142,7 +142,8 @@ def check_runnable(config: PipelineConfig, source: str = "config", overrides: Se
     run that has copied it already), vLLM's virtualenv when the engine is vllm, and the `device`
     (a CUDA device this machine lacks).
     """
-    problems = (_policy_problems(config) if policy_source else []) + _cluster_problems(config)
+    problems = _data_root_problems(config.data_root)
+    problems += (_policy_problems(config) if policy_source else []) + _cluster_problems(config)
     try:
         resolve_device(config.device)
     except DeviceError as error:
@@ -155,6 +156,18 @@ def check_runnable(config: PipelineConfig, source: str = "config", overrides: Se
     if problems:
         raise config_error(problems, source, overrides)
     return config
+
+
+def _data_root_problems(data_root: str) -> list[Problem]:
+    """The data root is a folder, or a path whose first existing ancestor is one (it is made then):
+    `/dev/null` or a file would otherwise fail late, after the Prefect server tried to live in it."""
+    for path in (Path(data_root), *Path(data_root).parents):
+        if path.exists() or path.is_symlink():
+            if path.is_dir():
+                return []
+            what = f"{data_root} is not a folder" if path == Path(data_root) else f"{path}, above it, is not a folder"
+            return [Problem("data_root", f"{what}; the data root must be a folder (or not exist yet)")]
+    return []
 
 
 def _cluster_problems(config: PipelineConfig) -> list[Problem]:

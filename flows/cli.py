@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 from agent_core.config_errors import Override
-from agent_core.io.locks import RunInUseError, check_run_free
-from flows.configs_lookup import recorded_config, resolve_config, shipped_configs
+from agent_core.io.locks import RunInUseError, check_run_free, command_holds_run
+from flows.configs_lookup import resolve_config, shipped_configs
 from flows.environment import configure_environment, start_temporary_server
+from flows.input_checks import check_eval_inputs, check_rerun_inputs, check_run_id
 
 DEFAULT_DATA_ROOT = "data"
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
@@ -125,7 +126,7 @@ def _train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.data_root:
         overrides.append(Override(f"data_root={args.data_root}", f"--data-root {args.data_root}"))
-    run_id = args.run_id or new_run_id(args.command)
+    run_id = check_run_id(args.run_id) if args.run_id is not None else new_run_id(args.command)
     configs = [resolve_config(name) for name in args.configs]
     config = load_config(configs, [*overrides, f"run_id={run_id}"], runnable=True)
     if args.dry_run:  # nothing is started and nothing is written
@@ -156,8 +157,14 @@ def _run_training(config) -> int:
     from agent_core.io.layout import DataRoot
 
     run_id = config.run_id
-    # a second writer is told now, not after the Prefect server started (run_lock still decides)
-    check_run_free(DataRoot(Path(config.data_root)).run(run_id).lock_path, run_id)
+    # a second writer is refused now, not after the Prefect server started: the command holds the run's
+    # lock from here on (the flow's run_lock runs under it)
+    with command_holds_run(DataRoot(Path(config.data_root)).run(run_id).lock_path, run_id):
+        return _train_holding_the_lock(config)
+
+
+def _train_holding_the_lock(config) -> int:
+    run_id = config.run_id
     configure_environment(config.data_root)
     print(f"agentr1: run {run_id}: {config.iterations} iterations of "
           f"{config.data.prompts_per_iteration} prompts x {config.rollout.group_size} samples "
@@ -213,53 +220,9 @@ def _score(value: float) -> str:
 
 
 def _query(args: argparse.Namespace) -> int:
-    import warnings
+    from flows.query_command import query_command
 
-    from agent_core.io.query import (IgnoredFileWarning, QueryInterrupted, check_result_path, check_select,
-                                     format_table, has_tables, run_query, write_result)
-    from agent_core.io.readonly_sql import check_memory_limit
-
-    data_root = Path(args.data_root or DEFAULT_DATA_ROOT)
-    check_select(args.sql)  # a statement that is not one SELECT is refused whatever the data root holds
-    timeout = _query_timeout(args.timeout)
-    if args.memory_limit is not None:
-        try:
-            check_memory_limit(args.memory_limit)
-        except ValueError as error:
-            raise ValueError(f"--memory-limit: {error}") from None
-    if args.output:
-        check_result_path(Path(args.output), data_root, force=args.force)
-    with warnings.catch_warnings(record=True) as ignored:  # a stray file in a run: one line each, once
-        warnings.simplefilter("always", IgnoredFileWarning)
-        try:
-            if not has_tables(data_root):
-                raise FileNotFoundError(f"no tables under {data_root}: no run, dataset or eval has written any yet "
-                                        "(start one with `agentr1 train`, or point --data-root at an existing one)")
-            table = run_query(data_root, args.sql, timeout=timeout, memory_limit=args.memory_limit)
-        except QueryInterrupted as error:
-            raise ValueError(f"{error} (--timeout {args.timeout}: raise it or leave it out)") from None
-        finally:
-            for message in dict.fromkeys(str(w.message) for w in ignored if w.category is IgnoredFileWarning):
-                print(f"agentr1: warning: {message}", file=sys.stderr)
-    if args.output:
-        write_result(table, Path(args.output))
-        print(f"agentr1: wrote {table.num_rows} rows to {args.output}")
-    else:
-        print(format_table(table, max_rows=args.max_rows))
-    return 0
-
-
-def _query_timeout(text: str | None) -> float | None:
-    """`--timeout` as seconds (a positive number), None when not given; ValueError in one line."""
-    if text is None:
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"--timeout must be a positive number of seconds, not {text!r}")
-    return seconds
+    return query_command(args, Path(args.data_root or DEFAULT_DATA_ROOT))
 
 
 def _rerun(args: argparse.Namespace) -> int:
@@ -270,13 +233,15 @@ def _rerun(args: argparse.Namespace) -> int:
     # bad input fails here, in one line, before the Prefect server starts
     if args.stage not in STAGES:
         raise ValueError(f"unknown --stage {args.stage!r}; valid stages: {', '.join(STAGES)}")
-    if not DataRoot(Path(data_root)).run(args.run_id).config_path.is_file():
+    run = DataRoot(Path(data_root)).run(check_run_id(args.run_id))
+    if not run.config_path.is_file():
         raise FileNotFoundError(f"no run {args.run_id!r} under {Path(data_root) / 'runs'} (see `agentr1 runs`)")
-    check_run_free(DataRoot(Path(data_root)).run(args.run_id).lock_path, args.run_id)
-    configure_environment(data_root)
-    start_temporary_server()
-
-    written = rerun_stage(data_root, args.run_id, args.iteration, args.stage, list(args.overrides))
+    check_run_free(run.lock_path, args.run_id)  # a second writer hears that first
+    check_rerun_inputs(data_root, args.run_id, args.iteration, args.stage)
+    with command_holds_run(run.lock_path, args.run_id):
+        configure_environment(data_root)
+        start_temporary_server()
+        written = rerun_stage(data_root, args.run_id, args.iteration, args.stage, list(args.overrides))
     print(f"agentr1: reran {args.stage} of run {args.run_id} iteration {args.iteration}: {written}")
     return 0
 
@@ -363,7 +328,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.seeds < 1 or (args.limit is not None and args.limit < 1):
         raise ValueError(f"--seeds and --limit must be >= 1, got --seeds {args.seeds} --limit {args.limit}")
     # a wrong run id, model, version or alias fails here, before Prefect starts
-    _check_registered_checkpoint(*recorded_config(data_root, args.run_id), args.checkpoint)
+    check_eval_inputs(data_root, check_run_id(args.run_id), args.split, args.checkpoint, args.iteration)
     configure_environment(data_root)
     start_temporary_server()
     from flows.deployments import evaluate_training_run
@@ -381,18 +346,6 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"  MLflow store: {result.tracking_uri} (experiment agentr1-eval, run {result.mlflow_run_id})")
     print(f"  query:        agentr1 query --data-root {data_root} \"select method, avg(em) from eval group by 1\"")
     return 0
-
-
-def _check_registered_checkpoint(run, config, checkpoint: str | None) -> None:
-    """A `models:/` checkpoint resolved as the eval flow resolves it (flows.eval.run_checkpoints),
-    without Prefect: ModelRegistryError (a ValueError) names what does exist. The version it finds is
-    downloaded into the data root's models/ cache, which the eval then reuses."""
-    from agent_core.io.layout import DataRoot
-    from agent_core.io.model_registry import is_model_uri, registered_checkpoint
-
-    if is_model_uri(checkpoint):
-        root = DataRoot(run.data_root)
-        registered_checkpoint(checkpoint, config.tracking.tracking_uri or root.mlflow_tracking_uri, root.path)
 
 
 def _experiment(args: argparse.Namespace) -> int:

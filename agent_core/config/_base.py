@@ -1,4 +1,5 @@
-"""What every config section shares: frozen, unknown keys refused."""
+"""What every config section shares: frozen, unknown keys refused, floats finite (nan and infinities
+refused alike; a key that means something by .inf says so with its own Field(allow_inf_nan=True))."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, PlainValidator
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 def _int_or_auto(minimum: int) -> PlainValidator:

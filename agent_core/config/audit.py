@@ -22,7 +22,7 @@ class CheckBounds(BaseModel):
     `max_ratio` or below `min_ratio`. A bound left out (null) is not checked. As an override of a
     built-in check (`audit.thresholds.<name>`), only the keys given replace the built-in's bounds."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     max: float | None = Field(None, description="alert when the value is above this")
     min: float | None = Field(None, description="alert when the value is below this")
@@ -53,7 +53,7 @@ class AuditConfig(BaseModel):
     and the config's own, results in the `health` table, MLflow metrics (`health.<check>`), the run's
     report and a console line."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     enabled: bool = Field(True, description="run the audit after each iteration (`agentr1 audit` runs it on demand)")
     on_alert: Literal["warn", "stop"] = Field(

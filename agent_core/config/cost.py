@@ -14,7 +14,7 @@ class CostConfig(BaseModel):
     """Prices per device-hour. A stage's device-hours are its wall hours times the devices the run
     held (GPUs where the run's device is CUDA, else the CPU cores this process may use)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     per_gpu_hour: float | None = Field(
         None, ge=0, description="price of one GPU for one hour, applied to runs whose device is cuda; "

@@ -86,12 +86,36 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
         try:
-            node[leaf] = yaml.safe_load(raw)
+            value = yaml.safe_load(raw)
         except yaml.YAMLError as error:
             where = getattr(error, "problem", None) or "not valid YAML"
             raise ConfigError(f"override {item!r}: its value is not valid YAML ({where}); quote the whole "
                               "--set for the shell, e.g. --set 'rollout.env_kwargs={tools: [search]}'") from None
+        except RecursionError:  # PyYAML recurses per level: [[[...]]] thousands deep
+            value = _TOO_DEEP
+        if value is _TOO_DEEP or nested_too_deep(value):
+            shown = item if len(item) <= 60 else item[:57] + "..."
+            raise ConfigError(f"override {shown!r}: its value is nested more than {MAX_NESTING} levels deep; "
+                              "a config value is a number, a string or a small list or mapping")
+        node[leaf] = value
     return data
+
+
+MAX_NESTING = 64  # levels of lists and mappings in one value: the deepest real config is a few
+_TOO_DEEP = object()
+
+
+def nested_too_deep(value: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether `value` has lists or mappings nested more than `limit` deep (walked without recursion:
+    the copies and validation after loading recurse per level, and Python stops them at ~1,000)."""
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (list, dict)):
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False
 
 
 def parse_config(data: dict[str, Any], source: str = "config", overrides: list[str] | None = None) -> PipelineConfig:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from agent_core.config._base import _Section
 from agent_core.config.algorithm import AlgorithmConfig
@@ -69,11 +70,11 @@ class PipelineConfig(_Section):
         plugins = data.get("plugins") if isinstance(data, dict) else None
         if plugins:
             if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
-                raise ValueError(f"plugins must be a list of module names, got {plugins!r}")
+                raise _plugins_error(cls, plugins, f"plugins must be a list of module names, got {plugins!r}")
             try:
                 load_plugins(plugins)
             except PluginError as error:
-                raise ValueError(str(error)) from None
+                raise _plugins_error(cls, plugins, str(error)) from None
         return data
 
     def flat(self) -> dict[str, Any]:
@@ -92,3 +93,10 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _plugins_error(model: type, plugins: Any, message: str) -> ValidationError:
+    """An error at the key `plugins` (a ValueError raised by a model validator has no key, so the
+    error was blamed on the config file even when `--set plugins=[...]` set the bad name)."""
+    details = InitErrorDetails(type=PydanticCustomError("plugins", message), loc=("plugins",), input=plugins)
+    return ValidationError.from_exception_data(model.__name__, [details])

@@ -104,7 +104,7 @@ class RolloutConfig(_Section):
         "system prompt; off by default: the tiny policy learns the format from the warm start and copies better "
         "in short contexts; turn on for a pretrained instruct policy. env_kwargs.instructions wins")
     env_workers: int = Field(8, ge=1, description="threads running env steps (tool calls) concurrently")
-    straggler_wait_s: float = Field(2.0, ge=0, description="serial engine (hf): how long it waits, free, for pending tool calls before generating for the ready episodes (.inf: lock-step turns, seeded runs reproducible); concurrent engines (vllm) never wait")
+    straggler_wait_s: float = Field(2.0, ge=0, allow_inf_nan=True, description="serial engine (hf): how long it waits, free, for pending tool calls before generating for the ready episodes (.inf: lock-step turns, seeded runs reproducible); concurrent engines (vllm) never wait")
 
     @property
     def instructions(self) -> bool:

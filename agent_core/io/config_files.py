@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import yaml
 
 from agent_core.config import ConfigError, PipelineConfig, apply_overrides, parse_config
+from agent_core.config.loading import MAX_NESTING, nested_too_deep
 from agent_core.io.atomic import write_text_atomic
 
 
@@ -48,6 +49,14 @@ def _read(path: Path) -> dict[str, Any]:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         raise ConfigError(_yaml_error(path, error)) from None
+    except RecursionError:
+        loaded = None
+        too_deep = True
+    else:
+        too_deep = nested_too_deep(loaded, MAX_NESTING + 2)  # + section and key
+    if too_deep:
+        raise ConfigError(f"{path}: a value is nested more than {MAX_NESTING} levels deep; a config value is a "
+                          "number, a string or a small list or mapping")
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return loaded or {}

@@ -33,10 +33,33 @@ class RunInUseError(RuntimeError):
     """Another live process is writing this run."""
 
 
+# Locks taken by `command_holds_run` for the whole command: a `run_lock` of the same path inside it
+# (the flow's) runs under that hold instead of locking against its own process.
+_HELD_BY_COMMAND: set[Path] = set()
+
+
+@contextmanager
+def command_holds_run(lock_path: str | os.PathLike, run_id: str) -> Iterator[None]:
+    """The command's hold of the run's lock, taken before it starts Prefect (two `agentr1 train
+    --run-id same` at once: the second is refused in one line at once, not after both servers raced
+    to migrate Prefect's database); the flow's `run_lock` inside the block runs under it."""
+    key = Path(os.path.realpath(lock_path))
+    with run_lock(lock_path, run_id):
+        _HELD_BY_COMMAND.add(key)
+        try:
+            yield
+        finally:
+            _HELD_BY_COMMAND.discard(key)
+
+
 @contextmanager
 def run_lock(lock_path: str | os.PathLike, run_id: str) -> Iterator[None]:
-    """Hold the run's lock for the duration of the block; RunInUseError if another process has it."""
+    """Hold the run's lock for the duration of the block; RunInUseError if another process has it
+    (or another block of this one, except under the command's own hold: `command_holds_run`)."""
     lock_path = Path(lock_path)
+    if Path(os.path.realpath(lock_path)) in _HELD_BY_COMMAND:
+        yield
+        return
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     handle = open(lock_path, "a+")
     try:

@@ -1,0 +1,203 @@
+"""Late errors and misleading words (issue 39, items 10-11), driven as the attacker drove them: real
+`agentr1` invocations (a subprocess, or the CLI's main() with real files). Each bad input is one line
+naming the problem, exit code 2, no traceback, and it comes before a Prefect server is started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import flows.cli as cli
+from agent_core.io.config_files import save_config
+from agent_core.io.layout import DataRoot
+from agent_core.io.locks import lock_is_held
+from agent_core.validation import load_config
+from flows.cli import main as cli_main
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY = REPO_ROOT / "configs" / "tiny.yaml"
+
+pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    """Fail the test if a command got as far as configuring Prefect (which starts its server)."""
+    def started(*args, **kwargs):
+        raise AssertionError("the command configured Prefect before rejecting its input")
+    monkeypatch.setattr(cli, "configure_environment", started)
+
+
+def _agentr1(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO_ROOT, timeout=timeout)
+
+
+def _one_line(err: str, *expected: str) -> str:
+    lines = [line for line in err.strip().splitlines() if not line.startswith("agentr1: using the shipped config")]
+    assert len(lines) == 1 and lines[0].startswith("agentr1: error: "), err
+    assert "Traceback" not in err, err
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def _one_line_error(capsys, *expected: str) -> str:
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out
+    return _one_line(captured.err, *expected)
+
+
+def _recorded_run(root: Path, run_id: str = "r1") -> Path:
+    """A run folder with its recorded config (tiny: 2 iterations), as a run that started writes it."""
+    config = load_config(TINY, [f"data_root={root}", f"run_id={run_id}"])
+    run = DataRoot(root).run(run_id)
+    run.config_path.parent.mkdir(parents=True)
+    save_config(config, run.config_path)
+    return run.run_dir
+
+
+# ---- item 10: late errors ----------------------------------------------------------------------------
+
+
+def test_a_run_id_that_climbs_out_of_runs_is_refused_even_in_a_dry_run(tmp_path):
+    done = _agentr1("train", "--config", "tiny", "--run-id", "../x", "--dry-run", "--data-root", str(tmp_path / "d"))
+    assert done.returncode == 2  # was 0, the config printed with run_id: ../x
+    _one_line(done.stderr, "--run-id: invalid run id '../x'")
+    assert done.stdout == "" and not (tmp_path / "d").exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("run_id", ["a/b", "/tmp/abs", "..", ".hidden"])
+def test_a_run_id_must_be_one_safe_folder_name(tmp_path, capsys, no_server, run_id):
+    assert cli_main(["train", "--config", "tiny", "--run-id", run_id, "--data-root", str(tmp_path / "d")]) == 2
+    _one_line_error(capsys, f"--run-id: invalid run id {run_id!r}")
+    assert not (tmp_path / "d").exists()
+
+
+def test_rerun_of_an_iteration_the_run_does_not_have_fails_before_prefect(tmp_path, capsys, no_server):
+    root = tmp_path / "data"
+    _recorded_run(root)
+    assert cli_main(["rerun", "--run-id", "r1", "--iteration", "99", "--stage", "rollout", "--data-root", str(root)]) == 2
+    _one_line_error(capsys, "--iteration 99: run 'r1' has iterations 0 to 1 (its config: iterations: 2); "
+                            "it has none so far")
+
+
+def test_rerun_of_a_stage_whose_inputs_are_not_written_yet_names_them(tmp_path, capsys, no_server):
+    root = tmp_path / "data"
+    run_dir = _recorded_run(root)
+    (run_dir / "iteration=0").mkdir()
+    assert cli_main(["rerun", "--run-id", "r1", "--iteration", "1", "--stage", "label_rewards",
+                     "--data-root", str(root)]) == 2
+    _one_line_error(capsys, "--iteration 1 --stage label_rewards: run 'r1' has not written what label_rewards "
+                            f"reads yet ({run_dir / 'iteration=1' / 'steps.parquet'}, ",
+                    "it has iteration 0 so far")
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--split", "nope"], "--split 'nope': unknown dataset split; valid splits: train, dev, test"),
+    (["--checkpoint", "/nonexistent"], "--checkpoint /nonexistent: does not exist; give a checkpoint folder"),
+    (["--checkpoint", str(TINY)], f"--checkpoint {TINY}: is not a folder"),
+    (["--iteration", "7"], "--iteration 7: run 'r1' has no checkpoint of that iteration; it has none yet"),
+])
+def test_eval_with_a_bad_split_checkpoint_or_iteration_fails_before_prefect(tmp_path, capsys, no_server, extra,
+                                                                            expected):
+    root = tmp_path / "data"
+    _recorded_run(root)
+    before = sorted(root.rglob("*"))
+    assert cli_main(["eval", "--run-id", "r1", "--data-root", str(root), *extra]) == 2
+    _one_line_error(capsys, expected)
+    assert sorted(root.rglob("*")) == before
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_second_train_of_the_same_run_started_meanwhile_is_refused_at_once(tmp_path, monkeypatch):
+    """Two `agentr1 train --run-id same` at once: the first holds the run's lock before its Prefect
+    server starts, so the second (a real process, started at that moment) is refused in one line, in
+    seconds, and starts nothing (it was: both passed the check, both servers migrated Prefect's database,
+    a migration traceback after 16 s)."""
+    root = tmp_path / "data"
+    lock = DataRoot(root).run("same").lock_path
+    seen = {}
+
+    def second_writer(data_root):  # where the first one starts Prefect
+        started = time.perf_counter()
+        seen["done"] = _agentr1("train", "--config", "tiny", "--run-id", "same", "--data-root", str(root), timeout=60)
+        seen["seconds"] = time.perf_counter() - started
+        raise _Stop
+
+    monkeypatch.setattr(cli, "configure_environment", second_writer)
+    with pytest.raises(_Stop):
+        cli_main(["train", "--config", "tiny", "--run-id", "same", "--data-root", str(root)])
+    done = seen["done"]
+    assert done.returncode == 2, done.stderr[-2000:]
+    _one_line(done.stderr, "run 'same' is being written by another process (pid ")
+    assert seen["seconds"] < 30
+    assert not lock_is_held(lock)  # the first one let go of it when it ended
+    assert not (root / "prefect").exists()
+
+
+def test_a_value_nested_thousands_deep_is_one_line(tmp_path):
+    deep = "[" * 5000 + "]" * 5000
+    done = _agentr1("train", "--config", "tiny", "--dry-run", "--data-root", str(tmp_path / "d"), "--set", f"seed={deep}")
+    assert done.returncode == 2  # was a RecursionError traceback
+    _one_line(done.stderr, "override 'seed=[[[[", "nested more than 64 levels deep")
+    assert len(done.stderr) < 400
+
+
+def test_a_config_file_nested_thousands_deep_is_one_line_naming_it(tmp_path, capsys, no_server):
+    config = tmp_path / "deep.yaml"
+    config.write_text("seed: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert cli_main(["train", "--config", str(config), "--data-root", str(tmp_path / "d")]) == 2
+    _one_line_error(capsys, f"{config}: a value is nested more than 64 levels deep")
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("/dev/null", "data_root (set by --set data_root=/dev/null): /dev/null is not a folder"),
+    ("{afile}/x", "data_root (set by --set data_root={afile}/x): {afile}, above it, is not a folder"),
+])
+def test_a_data_root_set_to_something_that_is_no_folder_is_named(tmp_path, capsys, monkeypatch, no_server, value,
+                                                                  expected):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["train", "--config", "tiny", "--dry-run", "--set", f"data_root={value.format(afile=afile)}"]) == 2
+    _one_line_error(capsys, expected.format(afile=afile))
+    assert afile.read_text() == "x"
+
+
+# ---- item 11: misleading words ------------------------------------------------------------------------
+
+
+def test_a_missing_plugin_set_by_an_override_blames_the_override(tmp_path, capsys, no_server):
+    assert cli_main(["train", "--config", "tiny", "--dry-run", "--data-root", str(tmp_path / "d"),
+                     "--set", "plugins=[missing]"]) == 2
+    _one_line_error(capsys, "plugins (set by --set plugins=[missing]): ", "cannot import plugin 'missing'")
+
+
+def test_a_missing_plugin_in_a_file_blames_the_file(tmp_path, capsys, no_server):
+    config = tmp_path / "mine.yaml"
+    config.write_text("plugins: [missing]\n")
+    assert cli_main(["train", "--config", str(config), "--dry-run", "--data-root", str(tmp_path / "d")]) == 2
+    _one_line_error(capsys, f"plugins (set by {config}): ", "cannot import plugin 'missing'")
+
+
+@pytest.mark.parametrize("item", ["trainer.lr=.inf", "trainer.lr=-.inf", "trainer.lr=nan", "rollout.temperature=.inf",
+                                  "critic.lr=.inf", "reward.process_weight=.inf"])
+def test_infinities_are_refused_like_nan(tmp_path, capsys, no_server, item):
+    key = item.partition("=")[0]
+    assert cli_main(["train", "--config", "tiny", "--dry-run", "--data-root", str(tmp_path / "d"), "--set", item]) == 2
+    line = _one_line_error(capsys, f"{key} (set by --set {item}): got ")
+    assert "finite" in line or "greater than or equal to 0" in line, line
+
+
+def test_the_key_that_means_something_by_inf_still_takes_it(tmp_path, capsys):
+    assert cli_main(["train", "--config", "tiny", "--dry-run", "--data-root", str(tmp_path / "d"),
+                     "--set", "rollout.straggler_wait_s=.inf"]) == 0
+    assert "straggler_wait_s: .inf" in capsys.readouterr().out
