@@ -201,3 +201,21 @@ def test_the_key_that_means_something_by_inf_still_takes_it(tmp_path, capsys):
     assert cli_main(["train", "--config", "tiny", "--dry-run", "--data-root", str(tmp_path / "d"),
                      "--set", "rollout.straggler_wait_s=.inf"]) == 0
     assert "straggler_wait_s: .inf" in capsys.readouterr().out
+
+
+def test_a_query_of_an_infinite_date_prints_it_instead_of_a_traceback(tmp_path):
+    import pyarrow.parquet as pq
+
+    import schemas
+    from test_schemas import SAMPLES
+
+    root = tmp_path / "data"
+    (root / "runs" / "r1" / "iteration=0").mkdir(parents=True)
+    pq.write_table(schemas.table_from_rows("rewards", SAMPLES["rewards"]()),
+                   root / "runs" / "r1" / "iteration=0" / "rewards.parquet")
+    sql = ("select 'infinity'::date as d, '-infinity'::timestamp as t, '2020-01-02'::date as ok, "
+           "['infinity'::date] as l")
+    done = _agentr1("query", "--data-root", str(root), sql)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr  # was an OverflowError traceback
+    row = done.stdout.splitlines()[2].split()
+    assert row[:3] == ["infinity", "-infinity", "2020-01-02"] and "out of range" in done.stdout, done.stdout

@@ -115,6 +115,29 @@ def check_episode_selection(sql: str) -> None:
 _MAX_CELL = 40
 
 
+# DuckDB's infinite dates and timestamps as stored (date32 days, timestamp ticks), as DuckDB prints them
+_INFINITE = {2**31 - 1: "infinity", -(2**31 - 1): "-infinity", 2**63 - 1: "infinity", -(2**63 - 1): "-infinity"}
+
+
+def _column_cells(column: pa.ChunkedArray) -> list[str]:
+    """A column's cells as text. A date or time Python cannot hold (`select 'infinity'::date`, year
+    300000) is no traceback: DuckDB's word for it (infinity), or its stored number marked out of range."""
+    try:
+        return [_cell(v) for v in column.to_pylist()]
+    except (OverflowError, ValueError):
+        return [_scalar_cell(scalar) for scalar in column]
+
+
+def _scalar_cell(scalar: pa.Scalar) -> str:
+    try:
+        return _cell(scalar.as_py())
+    except (OverflowError, ValueError):
+        raw = getattr(scalar, "value", None)
+        if isinstance(raw, int):
+            return _INFINITE.get(raw, f"<{scalar.type} out of range: {raw}>")
+        return f"<{scalar.type} out of range>"
+
+
 def _cell(value: object) -> str:
     if value is None:
         text = "NULL"
@@ -138,7 +161,7 @@ def format_table(table: pa.Table, max_rows: int = 50) -> str:
     if table.num_columns == 0:
         return f"(no columns, {table.num_rows} rows)"
     shown = table.slice(0, max(max_rows, 0))
-    columns = [[_cell(v) for v in shown.column(i).to_pylist()] for i in range(table.num_columns)]
+    columns = [_column_cells(shown.column(i)) for i in range(table.num_columns)]
     headers = list(table.column_names)
     widths = [max([len(h), *(len(c) for c in col)]) for h, col in zip(headers, columns)]
     right = [_is_numeric(field.type) for field in table.schema]
