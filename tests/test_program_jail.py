@@ -70,6 +70,16 @@ HOSTILE = textwrap.dedent("""
 """ % GROUP)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def namespaces(tmp_path_factory):
+    """These tests need what the jail asks of the kernel; a machine that refuses it is named."""
+    probe = run_program(ProgramSpec(command=(sys.executable, "-c", "print(1)")), ProgramJob("probe", {}, {}),
+                        ProgramJail.around([tmp_path_factory.mktemp("probe")]))
+    missing = dict(probe.jail.refused)
+    if missing:
+        pytest.skip(f"this machine refuses jail layers: {missing}")
+
+
 @pytest.fixture(scope="module")
 def engine_and_tokenizer():
     tokenizer = build_tokenizer(["Who directed The Silent Harbor? Ana Kowalski was born in Gdansk."] * 20,

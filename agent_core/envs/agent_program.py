@@ -38,9 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-# Private helpers of the sandbox, shared rather than copied: waiting without reaping keeps the
-# pid (= the group id) from being reused before the group is killed.
-from agent_core.envs.sandbox import _kill_group, _signal_name, _wait_unreaped
+# Waiting without reaping keeps the pid (= the group id) from being reused before the group is killed.
+from agent_core.envs.processes import kill_group, signal_name, wait_unreaped
 
 ENV_NAME = "agent_program"
 STDERR_TAIL_BYTES = 2048
@@ -201,10 +200,10 @@ def run_program(spec: ProgramSpec, job: ProgramJob, jail: ProgramJail | None = N
     threading.Thread(target=_feed, args=(process.stdin, payload), daemon=True).start()
     if status_read is not None:
         report = _read_jail_report(status_read, spec.timeout_s)
-    timed_out = not _wait_unreaped(process.pid, max(0.0, spec.timeout_s - (time.monotonic() - started)))
+    timed_out = not wait_unreaped(process.pid, max(0.0, spec.timeout_s - (time.monotonic() - started)))
     if timed_out:
         _terminate_group(process.pid)
-    _kill_group(process.pid)  # also whatever the program left running in its group
+    kill_group(process.pid)  # also whatever the program left running in its group
     returncode = process.wait()
     for reader in (stdout, stderr):
         reader.join(_DRAIN_GRACE_S)
@@ -213,7 +212,7 @@ def run_program(spec: ProgramSpec, job: ProgramJob, jail: ProgramJail | None = N
     if timed_out:
         return failed(f"timed out after {spec.timeout_s:g} s (process group killed)", returncode, stderr_tail)
     if returncode != 0:
-        what = f"killed by signal {_signal_name(-returncode)}" if returncode < 0 else f"exit code {returncode}"
+        what = f"killed by signal {signal_name(-returncode)}" if returncode < 0 else f"exit code {returncode}"
         return failed(f"{what}: {_tail_line(stderr_text) or '(no stderr)'}", returncode, stderr_tail)
     answer, problem = parse_answer(stdout.text())
     if problem is not None:
@@ -289,7 +288,7 @@ def _terminate_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
         return
-    _wait_unreaped(pgid, TERM_GRACE_S)
+    wait_unreaped(pgid, TERM_GRACE_S)
 
 
 class _TailReader(threading.Thread):

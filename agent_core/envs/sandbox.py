@@ -76,9 +76,7 @@ import json
 import math
 import os
 import resource
-import select
 import shutil
-import signal
 import socket
 import stat
 import subprocess
@@ -90,6 +88,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Collection, Literal
 
+from agent_core.envs.processes import kill_group, signal_name, wait_unreaped
 from agent_core.envs.tools import TOOLS, Tool, ToolResources, ToolResult
 
 _CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
@@ -146,7 +145,7 @@ class SandboxResult:
         elif self.killed_by == "memory":
             parts.append(f"killed: memory limit ({self.memory_mb} MB)")
         elif self.killed_by == "signal":
-            parts.append(f"killed by signal {_signal_name(-self.exit_code)}")
+            parts.append(f"killed by signal {signal_name(-self.exit_code)}")
         elif self.exit_code != 0:
             parts.append(f"exit code {self.exit_code}")
         return "\n".join(parts) if parts else "(no output)"
@@ -216,8 +215,8 @@ def _run_child(workdir: str, timeout_s: float, memory_mb: int, disk_mb: int, max
     deadline = started + timeout_s
     layers, scratch = _handshake(status, process.pid, workdir, deadline)
     try:
-        timed_out = not _wait_unreaped(process.pid, max(0.0, deadline - time.monotonic()))
-        _kill_group(process.pid)  # also whatever the program left behind in its group
+        timed_out = not wait_unreaped(process.pid, max(0.0, deadline - time.monotonic()))
+        kill_group(process.pid)  # also whatever the program left behind in its group
         returncode, cpu_s = _reap(process)
         disk_full = _disk_full(scratch) if scratch is not None else None
     finally:
@@ -317,31 +316,6 @@ class _CappedReader(threading.Thread):
         return text, False
 
 
-def _wait_unreaped(pid: int, timeout_s: float) -> bool:
-    """Wait for `pid` to exit, True if it did within timeout_s. It is not reaped: while it is a
-    zombie its pid, which is also its process-group id, cannot be reused, so killpg is safe."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:  # kernel < 5.3: poll instead
-        deadline = time.monotonic() + timeout_s
-        while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
-    try:
-        return bool(select.select([pidfd], [], [], timeout_s)[0])
-    finally:
-        os.close(pidfd)
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # already gone
-
-
 def _remove_tree(path: str) -> None:
     def make_writable_and_retry(function, failed_path, _exc_info):
         os.chmod(os.path.dirname(failed_path), stat.S_IRWXU)  # the program may have chmod-ed it away
@@ -350,13 +324,6 @@ def _remove_tree(path: str) -> None:
         function(failed_path)
 
     shutil.rmtree(path, onerror=make_writable_and_retry)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return str(number)
 
 
 # ---- the `python` tool -------------------------------------------------------------------------
