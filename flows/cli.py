@@ -24,6 +24,7 @@ from pathlib import Path
 
 from agent_core.config_errors import Override
 from agent_core.io.locks import RunInUseError, check_run_free, command_holds_run
+from agent_core.io.run_files import check_run_writable
 from flows.configs_lookup import resolve_config, shipped_configs
 from flows.environment import configure_environment, start_temporary_server
 from flows.input_checks import check_eval_inputs, check_rerun_inputs, check_run_id
@@ -149,6 +150,7 @@ def _resume(args: argparse.Namespace) -> int:
     config = check_runnable(load_config(run.config_path, overrides), str(run.config_path), overrides,
                             policy_source=not run.initial_policy_dir.exists())
     check_run_free(run.lock_path, args.run_id)  # before it says it resumes (_run_training checks it again)
+    check_run_writable(run.run_dir, args.run_id)
     print(f"agentr1: resuming run {args.run_id}: stages whose manifests match are skipped", flush=True)
     return _run_training(config)
 
@@ -159,7 +161,10 @@ def _run_training(config) -> int:
     run_id = config.run_id
     # a second writer is refused now, not after the Prefect server started: the command holds the run's
     # lock from here on (the flow's run_lock runs under it)
-    with command_holds_run(DataRoot(Path(config.data_root)).run(run_id).lock_path, run_id):
+    run = DataRoot(Path(config.data_root)).run(run_id)
+    check_run_free(run.lock_path, run_id)
+    check_run_writable(run.run_dir, run_id)  # a status.json folder or an immutable table: named now, not at the end
+    with command_holds_run(run.lock_path, run_id):
         return _train_holding_the_lock(config)
 
 
@@ -238,6 +243,7 @@ def _rerun(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no run {args.run_id!r} under {Path(data_root) / 'runs'} (see `agentr1 runs`)")
     check_run_free(run.lock_path, args.run_id)  # a second writer hears that first
     check_rerun_inputs(data_root, args.run_id, args.iteration, args.stage)
+    check_run_writable(run.run_dir, args.run_id)
     with command_holds_run(run.lock_path, args.run_id):
         configure_environment(data_root)
         start_temporary_server()

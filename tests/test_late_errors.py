@@ -219,3 +219,53 @@ def test_a_query_of_an_infinite_date_prints_it_instead_of_a_traceback(tmp_path):
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr  # was an OverflowError traceback
     row = done.stdout.splitlines()[2].split()
     assert row[:3] == ["infinity", "-infinity", "2020-01-02"] and "out of range" in done.stdout, done.stdout
+
+
+# ---- a run whose files cannot be replaced ---------------------------------------------------------------
+
+
+def test_resume_when_status_json_is_a_folder_names_it_before_prefect(tmp_path, capsys, no_server):
+    root = tmp_path / "data"
+    run_dir = _recorded_run(root)
+    (run_dir / "status.json").mkdir()
+    assert cli_main(["resume", "--run-id", "r1", "--data-root", str(root)]) == 2
+    _one_line_error(capsys, f"run 'r1' cannot be written: {run_dir / 'status.json'} is a folder where the run "
+                            "keeps a file")
+
+
+def test_train_of_a_run_whose_table_is_a_folder_names_it_before_prefect(tmp_path, capsys, no_server):
+    root = tmp_path / "data"
+    run_dir = _recorded_run(root)
+    (run_dir / "iteration=0" / "steps.parquet").mkdir(parents=True)
+    assert cli_main(["train", "--config", "tiny", "--run-id", "r1", "--data-root", str(root)]) == 2
+    _one_line_error(capsys, f"{run_dir / 'iteration=0' / 'steps.parquet'} is a folder where the run keeps a file")
+
+
+def _chattr(flag: str, path: Path) -> bool:
+    return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("flag, kind", [("+i", "immutable"), ("+a", "append-only")])
+@pytest.mark.parametrize("command", ["resume", "rerun"])
+def test_a_run_with_an_immutable_table_is_named_before_prefect(tmp_path, capsys, no_server, flag, kind, command):
+    """Run as root here, so chmod cannot make a file unwritable; chattr can (even root cannot replace it)."""
+    import shutil
+
+    if shutil.which("chattr") is None:
+        pytest.skip("no chattr on this machine: an immutable file cannot be made")
+    root = tmp_path / "data"
+    run_dir = _recorded_run(root)
+    table = run_dir / "iteration=0" / "prompts.parquet"
+    table.parent.mkdir()
+    table.write_bytes(b"PAR1")
+    (run_dir / "initial_policy").mkdir()
+    if not _chattr(flag, table):
+        pytest.skip(f"this file system refuses chattr {flag}")
+    try:
+        argv = (["resume", "--run-id", "r1"] if command == "resume"
+                else ["rerun", "--run-id", "r1", "--iteration", "0", "--stage", "rollout"])
+        assert cli_main([*argv, "--data-root", str(root)]) == 2
+        _one_line_error(capsys, f"run 'r1' cannot be written: {table} is {kind} (chattr {flag})",
+                        f"chattr -{flag[1]} {table}")
+    finally:
+        _chattr(f"-{flag[1]}", table)
