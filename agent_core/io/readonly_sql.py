@@ -44,6 +44,7 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 _LINE_MARK = re.compile(r"\n\s*LINE \d+:.*", re.DOTALL)  # DuckDB's caret under the query: noise on one line
 
@@ -228,6 +229,10 @@ class ReadOnlyCatalog:
         self._con.interrupt()
         self._done.wait(10)
 
+    def _damaged_files(self) -> list[tuple[Path, str]]:
+        """(file, view) of each view's file whose Parquet footer does not decode."""
+        return [(Path(real), view) for read, (real, view) in self._files.items() if _is_damaged(read)]
+
     def error(self, error: Exception) -> QueryError:
         """`error` as a QueryError: snapshot link paths replaced by the table files they stand for,
         and the views of the files it names, so a damaged file is named where it really is."""
@@ -238,16 +243,39 @@ class ReadOnlyCatalog:
                 views.append(view)
             elif str(real) in message:
                 views.append(view)
-        if views:
+        if views and "Permission denied" in message:  # EACCES: the file may be whole, this user may not read it
+            names = ", ".join(dict.fromkeys(views))
+            message = (f"view {names}: {one_line(message)} (permission denied: this user may not read that table "
+                       "file; fix its permissions or owner, or run as a user who may; queries over other views "
+                       "still answer)")
+        elif views:
             names = ", ".join(dict.fromkeys(views))
             message = (f"view {names}: {one_line(message)} (a damaged or unreadable table file; "
                        "queries over other views still answer)")
+        elif _READING_FILES.search(message) and (damaged := self._damaged_files()):
+            # DuckDB names no file for a damaged footer (TProtocolException: Invalid data): find it
+            names = ", ".join(dict.fromkeys(view for _, view in damaged))
+            message = (f"view {names}: {one_line(message)} in {', '.join(str(real) for real, _ in damaged)} (a damaged "
+                       "table file; queries over other views still answer)")
         elif isinstance(error, duckdb.PermissionException):
             message = f"{one_line(message)} ({_READS_ONLY_VIEWS})"
         elif isinstance(error, duckdb.OutOfMemoryException):
             message = (f"{one_line(message.split('Possible solutions')[0])} (the query's memory limit is "
                        f"{self.memory_limit}; `agentr1 query --memory-limit` sets it)")
         return QueryError(message, self.views())
+
+
+# DuckDB's words for a file it could not decode (and may not name)
+_READING_FILES = re.compile(r"TProtocol|[Tt]hrift|[Pp]arquet|footer|magic bytes|IO Error|Invalid Input Error")
+
+
+def _is_damaged(path: str) -> bool:
+    """Whether the Parquet file at `path` has an unreadable footer (what DuckDB reads first)."""
+    try:
+        pq.read_metadata(path)
+    except (pa.ArrowException, OSError, UnicodeDecodeError):
+        return True
+    return False
 
 
 def _create_view(con: duckdb.DuckDBPyConnection, name: str, files: list[str], schema: pa.Schema | None) -> None:
