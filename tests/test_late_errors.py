@@ -335,3 +335,36 @@ def test_a_table_this_user_may_not_read_is_a_permission_problem_not_damage(tmp_p
     line = _one_line(done.stderr, "view rewards: ", str(table), "Permission denied",
                      "permission denied: this user may not read that table file")
     assert "damaged" not in line  # was: (a damaged or unreadable table file; ...)
+
+
+# ---- a manifest whose output climbs out of its folder ----------------------------------------------------
+
+
+def test_a_manifest_output_with_dot_dot_is_refused_not_followed(tmp_path, caplog):
+    """A hand-edited manifest (real files, as the attacker edited them) that points its stage's output at
+    an identical copy outside the run: the stage is redone, its output never read from outside."""
+    import json
+    import shutil
+
+    from agent_core.io.manifests import StageRecord
+
+    root = tmp_path / "data"
+    _recorded_run(root)
+    run = DataRoot(root).run("r1")
+    table = Path(run.table_uri(0, "steps"))
+    table.parent.mkdir(parents=True)
+    table.write_bytes(b"PAR1 the stage's own output PAR1")
+    manifest_path = run.manifest_path("rollout", 0)
+    StageRecord(manifest_path, "rollout", {}, {"seed": 1}).commit({"steps": table})
+    outside = tmp_path / "outside" / "steps.parquet"
+    outside.parent.mkdir()
+    shutil.copy(table, outside)  # same size and content: the attacker's copy passes every check
+    recorded = json.loads(manifest_path.read_text())
+    assert recorded["outputs"] == {"steps": "steps.parquet"}
+    recorded["outputs"]["steps"] = "../../../../outside/steps.parquet"
+    manifest_path.write_text(json.dumps(recorded))
+
+    with caplog.at_level("WARNING", logger="agent_core.io.manifests"):
+        check = StageRecord(manifest_path, "rollout", {}, {"seed": 1}).check()
+    assert check.outputs is None  # was: {"steps": ".../iteration=0/_manifests/../../../../outside/steps.parquet"}
+    assert "climbs out of" in caplog.text and str(manifest_path) in caplog.text

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -43,6 +44,8 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from agent_core.io.atomic import atomic_file
+
+log = logging.getLogger(__name__)
 
 MANIFEST_VERSION = 2  # 2: outputs relative to the owner folder, with sizes; 1: absolute paths, no sizes
 READABLE_VERSIONS = (1, 2)
@@ -262,6 +265,8 @@ def _located(stored: str, owner: Path, version: int) -> str:
     manifest's own path has (relative to the working folder if that one is): what the stage returns
     when it runs."""
     if not os.path.isabs(stored):
+        if ".." in PurePath(stored).parts:  # written relative to the owner, never climbing out: a hand edit
+            raise _OutsideOwner(f"output {stored!r} climbs out of {owner}")
         return str(owner / stored)
     if version >= 2:
         return stored
@@ -270,6 +275,10 @@ def _located(stored: str, owner: Path, version: int) -> str:
         if parts[start:start + 2] == anchor:
             return str(owner.joinpath(*parts[start + 2:]))
     return stored
+
+
+class _OutsideOwner(ValueError):
+    """A manifest's relative output path with `..`: it would name a file outside the manifest's folder."""
 
 
 def read_manifest(path: str | os.PathLike) -> StageManifest | None:
@@ -288,6 +297,10 @@ def read_manifest(path: str | os.PathLike) -> StageManifest | None:
         owner = _owner(path)
         return dataclasses.replace(manifest, outputs={name: _located(stored, owner, version)
                                                       for name, stored in manifest.outputs.items()})
+    except _OutsideOwner as error:  # refused, not followed: the stage runs again and writes its own
+        log.warning("manifest %s ignored: %s (a manifest records its folder's outputs relative to it); "
+                    "its stage runs again", path, error)
+        return None
     except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError, ValueError):
         return None
 
