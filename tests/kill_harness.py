@@ -65,9 +65,11 @@ def prefect_api_url() -> str:
 
 
 def run_cli(args: list[str], data_root: Path, *, failpoint: str | None = None, trace: Path | None = None,
-            kill_after_s: float | None = None, timeout_s: float = 600, prefect_api: str | None = None) -> tuple[int, str]:
+            kill_after_s: float | None = None, timeout_s: float = 600, prefect_api: str | None = None,
+            survivors: list[int] | None = None) -> tuple[int, str]:
     """Run `python -m flows.cli ARGS` with the Prefect API at `prefect_api`, or its own temporary one
-    (state under `data_root`); (returncode, output)."""
+    (state under `data_root`); (returncode, output). `survivors`, if given, receives the pids of the
+    process group still alive when the process ended on its own (before the group is killed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AGENTR1_"))}
     env.update(PREFECT_HOME=str(data_root / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_LOGGING_TO_API_ENABLED="false", PYTHONPATH=str(REPO_ROOT))
@@ -94,6 +96,8 @@ def run_cli(args: list[str], data_root: Path, *, failpoint: str | None = None, t
             if kill_after_s is None:
                 _kill_group(process.pid)
                 raise
+        if survivors is not None and process.poll() is not None:
+            survivors += group_members(process.pid)
         _kill_group(process.pid)
         code = process.wait(timeout=60)
     return code, log_path.read_text()
@@ -109,6 +113,20 @@ def _wait_for(condition, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise subprocess.TimeoutExpired("wait", timeout_s)
         time.sleep(0.05)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`, from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(entry))
+    return members
 
 
 def _kill_group(pgid: int) -> None:
@@ -230,11 +248,20 @@ def kill_and_resume(point: KillPoint, data_root: Path, reference: dict, iteratio
     if code != 0:
         return point, failures + [f"resume failed (exit {code}):\n{output[-3000:]}"]
     failures += [f"after resuming: {p}" for p in visible_problems(data_root)]
-    got = snapshot(data_root)
-    failures += [f"{key} differs from the uninterrupted run" for key in sorted(reference) if got.get(key) != reference[key]]
-    failures += [f"{key} exists only in the resumed run" for key in sorted(got.keys() - reference.keys())]
+    failures += snapshot_differences(reference, snapshot(data_root))
     if registered_iterations(data_root) != list(range(iterations)):
         failures.append(f"model versions by iteration: {registered_iterations(data_root)}, want one per iteration")
-    leftovers = [p for p in DataRoot(data_root).run(RUN_ID).run_dir.rglob(".*") if p.name != ".lock"]
-    failures += [f"left behind: {p}" for p in leftovers]
+    failures += [f"left behind: {p}" for p in leftover_files(data_root)]
     return dataclasses.replace(point, seconds=time.perf_counter() - started), failures
+
+
+def snapshot_differences(reference: dict, got: dict) -> list[str]:
+    """One line per table or checkpoint file of `got` (a resumed run's snapshot) that is not the
+    uninterrupted run's."""
+    return ([f"{key} differs from the uninterrupted run" for key in sorted(reference) if got.get(key) != reference[key]]
+            + [f"{key} exists only in the resumed run" for key in sorted(got.keys() - reference.keys())])
+
+
+def leftover_files(data_root: Path, run_id: str = RUN_ID) -> list[Path]:
+    """Hidden files a writer left in the run (temporaries, staging folders); the run's lock excepted."""
+    return [p for p in DataRoot(data_root).run(run_id).run_dir.rglob(".*") if p.name != ".lock"]
