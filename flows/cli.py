@@ -384,8 +384,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--data-root {data_root} is a file; it must be a folder (or not exist yet)")
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, KeyError, RunInUseError) as error:
-        # user errors (config typos, missing runs, bad SQL) get one clear line, not a traceback
-        print(f"agentr1: error: {error}", file=sys.stderr)
+        # user errors (config typos, missing runs, bad SQL) get one clear line, not a traceback; a file's
+        # or folder's name in it (from a data root anyone may have written) never drives the terminal
+        from agent_core.io.run_status import printable
+
+        print(f"agentr1: error: {printable(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside a run (train and resume say how to resume)
         print(f"agentr1: interrupted: {args.command} stopped", file=sys.stderr, flush=True)

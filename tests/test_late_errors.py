@@ -368,3 +368,15 @@ def test_a_manifest_output_with_dot_dot_is_refused_not_followed(tmp_path, caplog
         check = StageRecord(manifest_path, "rollout", {}, {"seed": 1}).check()
     assert check.outputs is None  # was: {"steps": ".../iteration=0/_manifests/../../../../outside/steps.parquet"}
     assert "climbs out of" in caplog.text and str(manifest_path) in caplog.text
+
+
+def test_a_file_name_with_escape_codes_in_an_error_is_printed_escaped(tmp_path):
+    """A data root is written by whoever can write it (agent programs could, item 3): a folder named with
+    terminal escape codes, where the run keeps a table, is named in the error with its codes escaped."""
+    root = tmp_path / "data"
+    run_dir = _recorded_run(root)
+    (run_dir / "iteration=0" / "\x1b]0;owned\x07\x1b[2J.parquet").mkdir(parents=True)
+    done = _agentr1("resume", "--run-id", "r1", "--data-root", str(root))
+    assert done.returncode == 2
+    line = _one_line(done.stderr, "is a folder where the run keeps a file", "\\x1b]0;owned\\x07\\x1b[2J.parquet")
+    assert "\x1b" not in done.stderr and "\x07" not in done.stderr, line  # was printed raw
