@@ -45,7 +45,7 @@ def _one_line_error(capsys, *expected: str) -> str:
     return lines[0]
 
 
-def _recorded_run(root: Path, run_id: str = "r1") -> Path:
+def recorded_run(root: Path, run_id: str = "r1") -> Path:
     """A run folder with its recorded config, as a run that started writes it (nothing else)."""
     config = load_config(TINY, [f"data_root={root}", f"run_id={run_id}"])
     run = DataRoot(root).run(run_id)
@@ -98,7 +98,7 @@ def registry_root(tmp_path_factory) -> Path:
     from mlflow.tracking import MlflowClient
 
     root = tmp_path_factory.mktemp("registry")
-    _recorded_run(root)
+    recorded_run(root)
     client = MlflowClient(DataRoot(root).mlflow_tracking_uri, registry_uri=DataRoot(root).mlflow_tracking_uri)
     client.create_registered_model("early-policy")
     client.create_model_version("early-policy", source=(root / "nowhere").as_uri())
@@ -126,7 +126,7 @@ def test_an_unknown_model_version_or_alias_fails_before_prefect(registry_root, c
 def locked_run(tmp_path):
     """A recorded run whose lock another holder has (this test's own open file: flock is per open file)."""
     root = tmp_path / "data"
-    run_dir = _recorded_run(root)
+    run_dir = recorded_run(root)
     with open(run_dir / ".lock", "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         handle.write("4242\n")
@@ -202,7 +202,7 @@ def _one_interrupted_line(capsys) -> str:
 def test_ctrl_c_during_a_run_prints_the_resume_command_and_exits_130(tmp_path, capsys, flow_interrupted, command):
     root = tmp_path / "data"
     if command == "resume":
-        _recorded_run(root)
+        recorded_run(root)
     argv = ["train", "--config", "tiny"] if command == "train" else ["resume"]
     assert cli_main([*argv, "--run-id", "r1", "--data-root", str(root)]) == 130
     assert f"`agentr1 resume --run-id r1 --data-root {root.resolve()}`" in _one_interrupted_line(capsys)

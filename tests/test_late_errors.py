@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 import flows.cli as cli
-from agent_core.io.config_files import save_config
 from agent_core.io.layout import DataRoot
 from agent_core.io.locks import lock_is_held
-from agent_core.validation import load_config
 from flows.cli import main as cli_main
+from test_early_errors import recorded_run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
@@ -52,15 +51,6 @@ def _one_line_error(capsys, *expected: str) -> str:
     return _one_line(captured.err, *expected)
 
 
-def _recorded_run(root: Path, run_id: str = "r1") -> Path:
-    """A run folder with its recorded config (tiny: 2 iterations), as a run that started writes it."""
-    config = load_config(TINY, [f"data_root={root}", f"run_id={run_id}"])
-    run = DataRoot(root).run(run_id)
-    run.config_path.parent.mkdir(parents=True)
-    save_config(config, run.config_path)
-    return run.run_dir
-
-
 # ---- item 10: late errors ----------------------------------------------------------------------------
 
 
@@ -80,7 +70,7 @@ def test_a_run_id_must_be_one_safe_folder_name(tmp_path, capsys, no_server, run_
 
 def test_rerun_of_an_iteration_the_run_does_not_have_fails_before_prefect(tmp_path, capsys, no_server):
     root = tmp_path / "data"
-    _recorded_run(root)
+    recorded_run(root)
     assert cli_main(["rerun", "--run-id", "r1", "--iteration", "99", "--stage", "rollout", "--data-root", str(root)]) == 2
     _one_line_error(capsys, "--iteration 99: run 'r1' has iterations 0 to 1 (its config: iterations: 2); "
                             "it has none so far")
@@ -88,7 +78,7 @@ def test_rerun_of_an_iteration_the_run_does_not_have_fails_before_prefect(tmp_pa
 
 def test_rerun_of_a_stage_whose_inputs_are_not_written_yet_names_them(tmp_path, capsys, no_server):
     root = tmp_path / "data"
-    run_dir = _recorded_run(root)
+    run_dir = recorded_run(root)
     (run_dir / "iteration=0").mkdir()
     assert cli_main(["rerun", "--run-id", "r1", "--iteration", "1", "--stage", "label_rewards",
                      "--data-root", str(root)]) == 2
@@ -106,7 +96,7 @@ def test_rerun_of_a_stage_whose_inputs_are_not_written_yet_names_them(tmp_path, 
 def test_eval_with_a_bad_split_checkpoint_or_iteration_fails_before_prefect(tmp_path, capsys, no_server, extra,
                                                                             expected):
     root = tmp_path / "data"
-    _recorded_run(root)
+    recorded_run(root)
     before = sorted(root.rglob("*"))
     assert cli_main(["eval", "--run-id", "r1", "--data-root", str(root), *extra]) == 2
     _one_line_error(capsys, expected)
@@ -226,7 +216,7 @@ def test_a_query_of_an_infinite_date_prints_it_instead_of_a_traceback(tmp_path):
 
 def test_resume_when_status_json_is_a_folder_names_it_before_prefect(tmp_path, capsys, no_server):
     root = tmp_path / "data"
-    run_dir = _recorded_run(root)
+    run_dir = recorded_run(root)
     (run_dir / "status.json").mkdir()
     assert cli_main(["resume", "--run-id", "r1", "--data-root", str(root)]) == 2
     _one_line_error(capsys, f"run 'r1' cannot be written: {run_dir / 'status.json'} is a folder where the run "
@@ -235,7 +225,7 @@ def test_resume_when_status_json_is_a_folder_names_it_before_prefect(tmp_path, c
 
 def test_train_of_a_run_whose_table_is_a_folder_names_it_before_prefect(tmp_path, capsys, no_server):
     root = tmp_path / "data"
-    run_dir = _recorded_run(root)
+    run_dir = recorded_run(root)
     (run_dir / "iteration=0" / "steps.parquet").mkdir(parents=True)
     assert cli_main(["train", "--config", "tiny", "--run-id", "r1", "--data-root", str(root)]) == 2
     _one_line_error(capsys, f"{run_dir / 'iteration=0' / 'steps.parquet'} is a folder where the run keeps a file")
@@ -254,7 +244,7 @@ def test_a_run_with_an_immutable_table_is_named_before_prefect(tmp_path, capsys,
     if shutil.which("chattr") is None:
         pytest.skip("no chattr on this machine: an immutable file cannot be made")
     root = tmp_path / "data"
-    run_dir = _recorded_run(root)
+    run_dir = recorded_run(root)
     table = run_dir / "iteration=0" / "prompts.parquet"
     table.parent.mkdir()
     table.write_bytes(b"PAR1")
@@ -349,7 +339,7 @@ def test_a_manifest_output_with_dot_dot_is_refused_not_followed(tmp_path, caplog
     from agent_core.io.manifests import StageRecord
 
     root = tmp_path / "data"
-    _recorded_run(root)
+    recorded_run(root)
     run = DataRoot(root).run("r1")
     table = Path(run.table_uri(0, "steps"))
     table.parent.mkdir(parents=True)
@@ -374,7 +364,7 @@ def test_a_file_name_with_escape_codes_in_an_error_is_printed_escaped(tmp_path):
     """A data root is written by whoever can write it (agent programs could, item 3): a folder named with
     terminal escape codes, where the run keeps a table, is named in the error with its codes escaped."""
     root = tmp_path / "data"
-    run_dir = _recorded_run(root)
+    run_dir = recorded_run(root)
     (run_dir / "iteration=0" / "\x1b]0;owned\x07\x1b[2J.parquet").mkdir(parents=True)
     done = _agentr1("resume", "--run-id", "r1", "--data-root", str(root))
     assert done.returncode == 2
