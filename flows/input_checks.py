@@ -70,7 +70,7 @@ def check_eval_inputs(data_root: str | Path, run_id: str, split: str, checkpoint
                                 "model models:/NAME/VERSION or models:/NAME@ALIAS")
     if iteration is not None and not run.checkpoint_dir(iteration).is_dir():
         done = [k for k in run.iterations() if run.checkpoint_dir(k).is_dir()]
-        raise FileNotFoundError(f"--iteration {iteration}: run {run_id!r} has no checkpoint of that iteration; "
+        raise FileNotFoundError(f"--iteration {iteration}: run {run_id!r} has no checkpoint of iteration {iteration}; "
                                 + (f"it has checkpoints of {_iterations(done)}" if done else "it has none yet"))
 
 

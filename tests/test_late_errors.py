@@ -91,7 +91,7 @@ def test_rerun_of_a_stage_whose_inputs_are_not_written_yet_names_them(tmp_path, 
     (["--split", "nope"], "--split 'nope': unknown dataset split; valid splits: train, dev, test"),
     (["--checkpoint", "/nonexistent"], "--checkpoint /nonexistent: does not exist; give a checkpoint folder"),
     (["--checkpoint", str(TINY)], f"--checkpoint {TINY}: is not a folder"),
-    (["--iteration", "7"], "--iteration 7: run 'r1' has no checkpoint of that iteration; it has none yet"),
+    (["--iteration", "7"], "--iteration 7: run 'r1' has no checkpoint of iteration 7; it has none yet"),
 ])
 def test_eval_with_a_bad_split_checkpoint_or_iteration_fails_before_prefect(tmp_path, capsys, no_server, extra,
                                                                             expected):
