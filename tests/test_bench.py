@@ -234,6 +234,7 @@ GPU_ROWS = ("trainer_default", "trainer_mfu", "trainer_default_vs_best", "traine
             "lora_24gib_seconds")
 
 
+@pytest.mark.slow  # a whole --quick run in a fresh interpreter (~20-30 s)
 def test_gpu_bench_quick_runs_every_row_without_the_modules_a_gpu_machine_lacks(tmp_path):
     """The whole --quick run in a fresh interpreter; afterwards none of the modules a bare GPU machine
     lacks was imported (a meta-path block would also trip over find_spec probes, e.g. accelerate's

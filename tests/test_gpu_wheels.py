@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 IMAGE_LIST = REPO / "bench" / "results-gpu" / "image-packages.txt"
 WHEEL_LIST = REPO / "bench" / "gpu-wheels.txt"
@@ -101,6 +103,7 @@ def test_the_lists_name_what_gpu_sh_can_fetch():
     assert all(trl.values()), f"pin every .whl-trl wheel: {trl}"
 
 
+@pytest.mark.slow  # imports the whole GPU bench in a fresh interpreter (~15-20 s)
 def test_every_distribution_the_gpu_bench_imports_is_on_the_image_or_carried(tmp_path):
     image, carried = image_distributions(), set(listed(".whl"))
     own = ["__main__", "agent_core", "bench", "schemas", "tasks", "flows", "configs"]

@@ -129,6 +129,7 @@ def _roll_out(task, engine, *, context=ContextPolicy()):
                         sampling, settings)
 
 
+@pytest.mark.slow  # ~20-40 s; the prefill-level equality tests above run by default
 @pytest.mark.parametrize("context", [ContextPolicy(), ContextPolicy(mode="last_k", keep_last_turns=1)],
                          ids=["append", "last_k"])
 def test_the_agent_loop_records_the_same_steps_with_kv_reuse(task, model, context):
