@@ -1,26 +1,12 @@
 """Run an existing agent program once per prompt: the process side of env `agent_program`.
 
-The program is any command (an argv list, `env_kwargs.command`). Each run gets the prompt as one
-JSON object on stdin (stdin is then closed), the caller's environment plus the job's variables
-(OPENAI_BASE_URL, OPENAI_API_KEY, AGENTR1_*), and the directory of the trainer's own Python first
-on PATH, so `command: [python, agent.py]` runs under the interpreter that has the project and its
-`openai` extra installed. It must print its final answer as the last non-empty line of stdout, a
-JSON object `{"answer": "<text>"}`; anything before that line is ignored.
-
-Every fault of the program is a failed outcome with a one-line reason, never an exception: it
-could not start, it exited non-zero or was killed by a signal, it ran past `timeout_s` (its whole
-process group gets SIGTERM, then SIGKILL after a short grace, so the tools and shells it started
-die with it), or its last stdout line is not such an object. After every run, even a clean one,
-the group is killed: a program cannot leave processes behind in it.
-
-A program is untrusted code: with a `ProgramJail` each runs through `program_jail.py` in its own
-user, mount and PID namespaces, with a private /proc (a sibling's token is out of sight), the data
-root hidden but for what it may read (the corpus), and every descendant killed with it even past
-setsid(). `ProgramOutcome.jail` says which layers a run got and why the kernel refused any other.
-
-stdout and stderr are drained by threads as the program writes (a full pipe never blocks it), and
-only the LAST `max_output_bytes` of each are kept (the answer is the last line); the outcome notes
-what was dropped. No disk is touched: the prompt goes through a pipe.
+Each run gets the prompt as JSON on stdin, the gateway's URL and its episode's token in the
+environment, and must print `{"answer": ...}` as its last stdout line (the whole contract:
+docs/guides/train-your-agent.md). Every fault of the program is a failed outcome with a one-line
+reason, never an exception; after every run its process group is killed. With a `ProgramJail` it
+runs through `program_jail.py` (own user, mount and PID namespaces, private /proc, the data root
+hidden but for the corpus); `ProgramOutcome.jail` says which layers it got. stdout and stderr
+are drained as written, keeping only their last `max_output_bytes`.
 """
 
 from __future__ import annotations
