@@ -37,15 +37,37 @@ class Registry(Generic[T]):
     def __init__(self, kind: str):
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._settings: dict[str, Any] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
+    def register(self, name: str, *, settings: Any = None) -> Callable[[T], T]:
+        """Register under `name`; `settings`: the model of the item's own settings (a pydantic model
+        class: `model_validate` of the config's options section builds the object the item gets)."""
         def decorator(item: T) -> T:
             if name in self._items:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._items[name] = item
+            if settings is not None:
+                self._settings[name] = settings
             return item
 
         return decorator
+
+    def settings_model(self, name: str) -> Any:
+        """The settings model `name` was registered with; None if it takes no options."""
+        self.get(name)
+        return self._settings.get(name)
+
+    def settings(self, name: str, options: Mapping[str, Any]) -> Any:
+        """`name`'s settings object built from `options` (None when it takes none and `options` is
+        empty); ValueError naming the item when options are given to one without a settings model,
+        pydantic's ValidationError (a ValueError) when they do not fit its model."""
+        model = self.settings_model(name)
+        if model is None:
+            if options:
+                raise ValueError(f"{self.kind} {name!r} takes no options (it was registered without a settings "
+                                 f"model); got {', '.join(map(repr, sorted(options)))}")
+            return None
+        return model.model_validate(dict(options))
 
     def get(self, name: str) -> T:
         try:

@@ -19,6 +19,8 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from pydantic import ValidationError
+
 from agent_core.algos.estimator_core import ADVANTAGE_ESTIMATORS, estimator_ignores_advantage_mask
 from agent_core.algos.kl import KL_ESTIMATORS
 from agent_core.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES
@@ -26,8 +28,9 @@ from agent_core.config import AlgorithmConfig, PipelineConfig, RolloutConfig, pa
 from agent_core.config_errors import Problem, config_error
 from agent_core.data.oracle import oracle_config_problems
 from agent_core.devices import DeviceError, resolve_device
+from agent_core.drivers import DRIVERS
 from agent_core.envs.formats import FORMATS
-from agent_core.envs.registry import ENVS, check_env_spec, check_tool_entries, check_tool_env_kwargs
+from agent_core.envs.registry import ENVS, check_env_spec, env_driver, check_tool_entries, check_tool_env_kwargs
 from agent_core.io.checkpoints import CheckpointError, check_checkpoint, policy_source_dir
 from agent_core.io.config_files import config_source, read_config
 from agent_core.audit.validate import audit_problems
@@ -65,7 +68,9 @@ def check_names(config: PipelineConfig, source: str = "config", overrides: Seque
         *_unknown("reward.scorer", SCORERS, config.reward.scorer),
         *_algorithm_problems(config.algorithm),
         *_unknown("trainer.loss_agg_mode", LOSS_AGG_MODES, config.trainer.loss_agg_mode),
-        *_unknown("trainer.policy_loss", POLICY_LOSSES, config.trainer.policy_loss),
+        *(_unknown("trainer.policy_loss", POLICY_LOSSES, config.trainer.policy_loss)
+          or _options_problems("trainer.policy_loss_options", POLICY_LOSSES, config.trainer.policy_loss,
+                               config.trainer.policy_loss_options)),
         *oracle_config_problems(config),  # the warm start's oracle fits the data and the env's tools
         *_select_sql_problems(config.warm_start.select_sql),
         *audit_problems(config.audit),
@@ -97,6 +102,8 @@ def _unknown(key: str, registry: Registry, name: str) -> list[Problem]:
 def _rollout_problems(cfg: RolloutConfig) -> list[Problem]:
     problems = _unknown("rollout.engine", ENGINES, cfg.engine)
     env_problems = [] if cfg.env is None else _unknown("rollout.env", ENVS, cfg.env)
+    if cfg.env is not None and not env_problems:  # a plugin's env may name a driver nobody registered
+        env_problems = _unknown("rollout.env", DRIVERS, env_driver(cfg.env))
     return problems + (env_problems or _env_kwargs_problems(cfg))
 
 
@@ -130,7 +137,23 @@ def _algorithm_problems(cfg: AlgorithmConfig) -> list[Problem]:
         problems.append(Problem("algorithm.use_advantage_mask",
                                 f"algorithm.use_advantage_mask=false changes nothing for estimator {cfg.estimator!r}: "
                                 "its advantage is the episode's score, a sum of rewards on action tokens either way"))
+    if not estimator:
+        problems += _options_problems("algorithm.estimator_options", ADVANTAGE_ESTIMATORS, cfg.estimator,
+                                      cfg.estimator_options)
     return problems
+
+
+def _options_problems(key: str, registry: Registry, name: str, options: dict[str, Any]) -> list[Problem]:
+    """The options of registered item `name` must fit the settings model it was registered with."""
+    try:
+        registry.settings(name, options)
+    except ValidationError as error:
+        found = error.errors(include_url=False)
+        return [Problem(f"{key}.{'.'.join(map(str, e['loc']))}" if e["loc"] else key,
+                        f"{registry.kind} {name!r}: {e['msg']} (got {e.get('input')!r})") for e in found]
+    except ValueError as error:
+        return [Problem(key, str(error))]
+    return []
 
 
 def check_runnable(config: PipelineConfig, source: str = "config", overrides: Sequence[str] = (),

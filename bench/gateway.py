@@ -1,6 +1,6 @@
 """Gateway: an agent program through the OpenAI-compatible gateway vs the in-process agent loop, tokens/s on the same prompts, policy, engine (hf) and budgets.
 
-In-process: `tasks._common.roll_out` in the built-in search env (the agent loop, every episode's
+In-process: `agent_core.drivers.roll_out` in the built-in search env (the agent loop, every episode's
 request batched into one hf generate call per turn). Gateway: the same rollout driver with
 `rollout.env: agent_program`, one run of bench/gateway_program.py per episode (standard library
 only, so no client library's import is timed), all episodes' programs at once (`max_parallel` =
@@ -39,7 +39,9 @@ from agent_core.rollout.engines import ENGINES, close_engine
 from bench.common import Goal, Measurement, Progress, base_parser, parse_args, write_result
 from bench.rollout import RecordingEngine, median_round
 from bench.workload import POLICY_SIZES, rollout_config, save_policy_dir, synthetic_task, tiny_policy
-from tasks._common import engine_options, env_of, roll_out
+from agent_core.drivers import DataAccess, roll_out
+from agent_core.rollout.spec import env_for
+from tasks._common import engine_options
 
 NAME = "gateway"
 TITLE = "Gateway: an agent program through the OpenAI-compatible gateway vs the in-process agent loop"
@@ -72,7 +74,7 @@ def program_prompts(prompts, loop_records, cfg: RolloutConfig, documents, tokeni
             seen.setdefault(record.prompt_id, []).append(record.observation_text)
     out = []
     for prompt in prompts:
-        env = make_env(*env_of(prompt, cfg), resources)
+        env = make_env(*env_for(prompt, cfg), resources)
         opening = tuple(env.reset(prompt))
         role = "user" if env.observation_role == "tool" else env.observation_role  # no tool_call to answer
         observations = [[role, text] for text in seen.get(prompt.prompt_id, [])]
@@ -92,7 +94,7 @@ def timed(engine, tokenizer, prompts, documents, cfg, args, prefix: str, corpus:
     recorder = RecordingEngine(engine)
     started = time.perf_counter()
     records = roll_out(recorder, tokenizer, prompts, documents, cfg, seed=args.seed, policy_version=0,
-                       episode_prefix=prefix, corpus_path=corpus)
+                       episode_prefix=prefix, access=DataAccess(corpus))
     seconds = time.perf_counter() - started
     tokens = sum(len(r.response_ids) for r in records)
     return {"records": records, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,

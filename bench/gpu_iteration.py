@@ -4,7 +4,7 @@ The stages are the pipeline's (tasks/rollout.py, label_rewards.py, compute_advan
 train.py) without Prefect, Parquet or MLflow, so they run where only torch, transformers, peft
 and pydantic are installed; each calls the same agent_core functions the stage does:
 
-- rollout: `local_roll_out` (the agent loop with the config's loop settings, agent_core/rollout/spec.py)
+- rollout: `agent_core.drivers.roll_out` (the config's envs, each through its driver, with the config's loop settings)
   with the built-in search env on its BM25 index and the `HFEngine` a colocated run builds: on CUDA
   a bf16 copy of the trainer's module refreshed before the rollout (rollout.hf.dtype auto), on the
   CPU the module itself; KV reuse across each episode's turns (rollout.hf);
@@ -33,11 +33,12 @@ import torch
 
 from agent_core.algos.step_advantages import StepRewardRow, estimate_step_advantages, prepare_episodes
 from agent_core.config import AlgorithmConfig, RewardConfig, RolloutConfig, TrainerConfig
+from agent_core.drivers import roll_out
 from agent_core.episodes import episodes_from_rows
 from agent_core.rewards.labelling import StepOutcome, label_steps
 from agent_core.rollout.hf_engine import HFEngine
 from agent_core.rollout.inference_copy import InferenceCopy, inference_dtype, parameter_dtype
-from agent_core.rollout.spec import RolloutSpec, local_roll_out
+from agent_core.rollout.spec import RolloutSpec
 from agent_core.training.batches import TrainStep, choose_layout
 from agent_core.training.scoring import score_logprobs
 from agent_core.training.settings import PPOSettings
@@ -82,7 +83,7 @@ class StageClock:
 
 def rollout(model, tokenizer, task, cfg: RolloutConfig, prompts: int, seed: int,
             copies: InferenceCopy | None = None) -> list:
-    """`prompts` x group_size episodes of the built-in task (tasks/_common.roll_out's steps: the
+    """`prompts` x group_size episodes of the built-in task (agent_core/drivers roll_out's steps: the
     config's envs and its loop settings, agent_core/rollout/spec.py), with the engine a colocated run
     builds (agent_core/run_resources.py): the trainer's module itself where it samples in the module's
     dtype, else the inference copy `copies` refreshed from it (bf16 on CUDA, rollout.hf.dtype); KV reuse
@@ -95,8 +96,8 @@ def rollout(model, tokenizer, task, cfg: RolloutConfig, prompts: int, seed: int,
     engine = HFEngine.configured(module, tokenizer, cfg.hf, max_batch_size=cfg.max_batch_size,
                                  release=lease.release if lease is not None else None)
     try:
-        return local_roll_out(engine, tokenizer, task.prompts[:prompts], task.documents, cfg, seed=seed,
-                              policy_version=0, episode_prefix="gpu-", spec=RolloutSpec.from_config(cfg))
+        return roll_out(engine, tokenizer, task.prompts[:prompts], task.documents, cfg, seed=seed,
+                        policy_version=0, episode_prefix="gpu-", spec=RolloutSpec.from_config(cfg))
     finally:
         engine.close()
 

@@ -83,7 +83,8 @@ def planned_prompts(config) -> list[dict]:
     from agent_core.envs.search import Bm25Index
     from agent_core.io.layout import DataRoot
     from agent_core.io.tables import read_table
-    from tasks._common import env_of, read_corpus
+    from agent_core.rollout.spec import env_for
+    from tasks._common import read_corpus
     from tasks.prepare_data import prepare_data, prepare_dataset
 
     run = DataRoot(Path(config.data_root)).run(config.run_id)
@@ -93,7 +94,7 @@ def planned_prompts(config) -> list[dict]:
     for k in range(config.iterations):
         uri = prepare_data.fn(run, k, dataset, config.data, config.seed)
         for prompt in (row_to_prompt(r) for r in read_table("prompts", uri).to_pylist()):
-            env = make_env(*env_of(prompt, config.rollout), resources)  # as the rollout makes it
+            env = make_env(*env_for(prompt, config.rollout), resources)  # as the rollout makes it
             if getattr(env, "tools_for_template", None):
                 raise RuntimeError("the env passes tools to the chat template; the TRL worker renders messages only")
             rows.append({"messages": [m.as_dict() for m in env.reset(prompt)], "answers": list(prompt.answers)})

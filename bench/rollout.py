@@ -1,6 +1,6 @@
 """Rollout throughput: tokens/s of the agent loop vs the raw engine generating the same tokens.
 
-Loop: `tasks._common.roll_out` (the rollout stage minus its Parquet I/O: BM25 index, search env,
+Loop: `agent_core.drivers.roll_out` (the rollout stage minus its Parquet I/O: BM25 index, search env,
 chat encoding, the multi-step agent loop of agent_core/rollout/agent_loop.py) runs --prompts x
 --group-size episodes of up to --max-steps steps on the built-in synthetic task with a tiny
 random-init policy (it rarely answers, so episodes run to max_steps with full-length actions).
@@ -45,7 +45,8 @@ from bench.common import Goal, Measurement, Progress, base_parser, parse_args, s
 from bench.workload import (
     POLICY_SIZES, rollout_config, save_policy_dir, synthetic_task, tiny_policy,
 )
-from tasks._common import engine_options, roll_out
+from agent_core.drivers import roll_out
+from tasks._common import engine_options
 
 NAME = "rollout"
 TITLE = "Rollout: agent loop vs raw engine"

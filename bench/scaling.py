@@ -1,6 +1,6 @@
 """Scaling: iteration time vs the number of episodes and vs steps per episode (should be ~linear).
 
-One iteration here = the rollout (`tasks._common.roll_out` with the hf engine: agent loop, search
+One iteration here = the rollout (`agent_core.drivers.roll_out` with the hf engine: agent loop, search
 env, BM25) + one PPO update on its steps (`train_iteration`, layout "auto" = packed episodes),
 timed in-process with no Prefect/Parquet (bench/overhead.py measures those). Advantages are a
 synthetic +-1 per episode (the update's cost does not depend on their values). The policy is a
@@ -39,7 +39,7 @@ from agent_core.training.settings import PPOSettings
 from agent_core.training.trainer import make_optimizer, train_iteration
 from bench.common import Goal, Measurement, Progress, base_parser, parse_args, write_result
 from bench.workload import POLICY_SIZES, fresh_copy, rollout_config, synthetic_task, tiny_policy
-from tasks._common import roll_out
+from agent_core.drivers import roll_out
 
 NAME = "scaling"
 TITLE = "Scaling: iteration time vs episodes and vs steps per episode"

@@ -1,6 +1,6 @@
 """What the stage tasks share: the task decorator, a logger that works in and out of a run, the
 resume check (io/manifests.py); and the helpers more than one stage uses (a prepared dataset's
-tables, the rollout driver, reward labelling of a steps table). Stage modules never import each
+tables, the rollout engine, reward labelling of a steps table). Stage modules never import each
 other, only this module, so a stage can change without reaching into another."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import dataclasses
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,21 +22,13 @@ from prefect.logging import get_run_logger
 
 from agent_core.config import ClusterConfig, RewardConfig, RolloutConfig
 from agent_core.data.rows import prompts_from_table, row_to_document
-from agent_core.envs.agent_program import ENV_NAME as PROGRAM_ENV, ProgramJail, ProgramSpec
-from agent_core.envs.registry import EnvResources, make_env
-from agent_core.envs.search import shared_index
-from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.failpoints import failpoint
-from agent_core.gateway.program_rollout import ProgramRollout, run_program_episodes
 from agent_core.plugins import loaded_plugins
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, write_table
 from agent_core.progress import BarReporter, LogReporter, reporting_to
 from agent_core.rewards.labelling import RewardRecord, StepOutcome, label_steps
-from agent_core.rollout.agent_loop import RolloutTimings, run_episodes
-from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
 from agent_core.rollout.engines import ENGINES, EngineOptions
-from agent_core.rollout.spec import RolloutSpec, env_for
 from agent_core.types import Document, Prompt
 
 # Stages skip or redo work by their manifests (`completed_outputs`), not through Prefect's result
@@ -166,70 +157,6 @@ def cluster_spec(cluster: ClusterConfig):
     from agent_core.cluster.runtime import ClusterSpec
 
     return ClusterSpec(cluster.address, cluster.num_cpus, cluster.num_gpus)
-
-
-def env_of(prompt: Prompt, cfg: RolloutConfig) -> tuple[str, dict]:
-    """The config's env replaces the prompt's (and its kwargs); config kwargs refine the prompt's own env.
-    An env that takes `instructions` gets `cfg.tool_instructions` unless the kwargs say otherwise.
-    (agent_core/rollout/spec.py `env_for`, which eval shares.)"""
-    return env_for(prompt, cfg)
-
-
-def roll_out(engine, tokenizer, prompts: list, documents: list, cfg: RolloutConfig, *, seed: int,
-             policy_version: int, episode_prefix: str, group_size: int | None = None,
-             timings: RolloutTimings | None = None, spec: RolloutSpec | None = None,
-             corpus_path: str | None = None, private_root: str | None = None) -> list:
-    """Episodes of `prompts` with `engine` in the config's envs; the step records (also used by the
-    warm start's oracle episodes and by eval). The search index is built once per corpus, not per rollout
-    (`shared_index`). `timings`: where the time outside generate went (bench/rollout.py). `spec`: the
-    loop and sampling settings, default the config's (`RolloutSpec.from_config`); eval passes
-    `RolloutSpec.for_eval`'s, so it runs with training's context policy and budgets. Prompts in env
-    `agent_program` run the user's program against the gateway instead (`_roll_out_programs`);
-    `corpus_path`: the corpus table those programs may search (AGENTR1_CORPUS); `private_root`: the
-    data root they may not see (all of it hidden from them but the corpus)."""
-    spec = RolloutSpec.from_config(cfg) if spec is None else spec
-    is_program = [env_of(p, cfg)[0] == PROGRAM_ENV for p in prompts]
-    if any(is_program):
-        programs = [p for p, program in zip(prompts, is_program) if program]
-        others = [p for p, program in zip(prompts, is_program) if not program]
-        looped = roll_out(engine, tokenizer, others, documents, cfg, seed=seed, policy_version=policy_version,
-                          episode_prefix=episode_prefix, group_size=group_size, timings=timings,
-                          spec=spec) if others else []
-        return looped + _roll_out_programs(engine, tokenizer, programs, cfg, spec, seed=seed,
-                                           policy_version=policy_version, episode_prefix=episode_prefix,
-                                           group_size=group_size, corpus_path=corpus_path,
-                                           private_root=private_root)
-    timings = RolloutTimings() if timings is None else timings
-    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
-    started = time.perf_counter()
-    index = shared_index(documents)
-    timings.index_seconds += time.perf_counter() - started
-    resources = EnvResources(search_index=index, chat=chat)
-    sampling = spec.sampling(seed, eos_token_ids(tokenizer))
-    settings = spec.loop(policy_version, episode_prefix, group_size)
-    return run_episodes(engine, tokenizer, prompts, lambda p: make_env(*env_of(p, cfg), resources), sampling, settings,
-                        timings)
-
-
-def _roll_out_programs(engine, tokenizer, prompts: list, cfg: RolloutConfig, spec: RolloutSpec, *, seed: int,
-                       policy_version: int, episode_prefix: str, group_size: int | None,
-                       corpus_path: str | None, private_root: str | None) -> list:
-    """Env agent_program's episodes: the program of each prompt's env_kwargs, one run per episode,
-    through the gateway over `engine` (agent_core/gateway/program_rollout.py), each jailed (the data
-    root hidden from it but the corpus) when `private_root` is given."""
-    jail = None if private_root is None else ProgramJail.around([private_root], [corpus_path])
-    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
-    steps = []
-    by_spec: dict[ProgramSpec, list] = {}
-    for prompt in prompts:
-        by_spec.setdefault(ProgramSpec.from_env_kwargs(env_of(prompt, cfg)[1]), []).append(prompt)
-    for program, group in by_spec.items():
-        settings = ProgramRollout(group_size=group_size or spec.group_size, max_calls=spec.max_steps,
-                                  max_context_tokens=spec.max_context_tokens, policy_version=policy_version,
-                                  episode_prefix=episode_prefix, corpus_path=corpus_path, jail=jail)
-        steps += run_program_episodes(engine, tokenizer, group, program, spec.sampling(seed, eos_token_ids(tokenizer)),
-                                      settings, chat)
-    return steps
 
 
 # ---- reward labelling of a steps table (label_rewards, the warm start's oracle episodes) ----------

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from agent_core.algos.estimator_core import estimator_uses_critic
+from agent_core.algos.estimator_core import ADVANTAGE_ESTIMATORS, estimator_uses_critic
 from agent_core.algos.kl import kl_penalty
 from agent_core.algos.step_advantages import (
     EpisodeBatch, StepRewardRow, estimate_step_advantages, prepare_episodes, score_on_grid,
@@ -42,10 +42,12 @@ def _rows(steps_uri: str, rewards_uri: str) -> list[dict]:
 
 
 def estimator_settings(cfg: AlgorithmConfig) -> dict:
-    """The plain-number settings ``estimate_step_advantages`` takes from the algorithm config."""
+    """The settings ``estimate_step_advantages`` takes from the algorithm config: plain numbers, and the
+    estimator's own settings object built from `estimator_options` by its registered model."""
     return dict(estimator=cfg.estimator, gamma=cfg.gamma, lam=cfg.lam, eps=cfg.eps, norm_by_std=cfg.norm_by_std,
                 use_advantage_mask=cfg.use_advantage_mask, use_loss_mask=cfg.use_loss_mask,
-                whiten=cfg.whiten_advantages, omega=cfg.gigpo_omega)
+                whiten=cfg.whiten_advantages, omega=cfg.gigpo_omega,
+                options=ADVANTAGE_ESTIMATORS.settings(cfg.estimator, cfg.estimator_options))
 
 
 def _critic_values(run: RunLayout, iteration: int, policy_dir: str, batch: EpisodeBatch, trainer: TrainerConfig,

@@ -1,22 +1,22 @@
 """Evaluation stages: one method x seed over a dataset split -> an `eval` table; then the report
 (markdown file, MLflow metrics in experiment "agentr1-eval", a Prefect markdown artifact).
 
-The agent methods roll out through training's driver (tasks/_common.py `roll_out`) in the run's
-envs, with the run's loop settings and scorer (`run_eval_settings`), so whatever env a run trains
-in (agent_program included) evaluates with no code of its own."""
+The agent methods roll out through the one rollout entry point (agent_core/drivers `roll_out`) in
+the run's envs, with the run's loop settings and scorer (`run_eval_settings`), so whatever env a run
+trains in (agent_program included) evaluates with no code of its own."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
 from prefect.artifacts import create_markdown_artifact
 
 from agent_core.config import DevEvalConfig, PipelineConfig
-from agent_core.eval.methods import EVAL_METHODS, EvalSettings, call_method
+from agent_core.drivers import DataAccess
+from agent_core.eval.methods import EVAL_METHODS, EvalSettings
 from agent_core.eval.report import EvalReport, eval_report
 from agent_core.io.atomic import write_text_atomic
 from agent_core.io.layout import DataRoot, RunLayout
@@ -27,7 +27,6 @@ from tasks._common import (
     DatasetUris,
     completed_outputs,
     read_corpus,
-    roll_out,
     split_prompts,
     stage_logger,
     stage_progress,
@@ -41,10 +40,9 @@ def _evaluate_into(uri: str, registered: str, checkpoint: str, prompts: list, da
                    settings: EvalSettings, data_root: str, **columns) -> float:
     """Run the registered method `registered` with the policy at `checkpoint`; write its episodes
     (plus the constant `columns`: eval_id, method label, split) as the eval table `uri`; return the mean EM.
-    Agent-loop methods run their episodes through training's rollout driver (`roll_out`; a program of
-    env agent_program may search the dataset's corpus table and sees nothing else of `data_root`)."""
-    episodes = call_method(EVAL_METHODS.get(registered), Path(checkpoint), prompts, read_corpus(dataset.corpus_uri),
-                           settings, roll_out=partial(roll_out, corpus_path=dataset.corpus_uri, private_root=data_root))
+    A program of env agent_program may search the dataset's corpus table and sees nothing else of `data_root`."""
+    settings = dataclasses.replace(settings, access=DataAccess(dataset.corpus_uri, data_root))
+    episodes = EVAL_METHODS.get(registered)(Path(checkpoint), prompts, read_corpus(dataset.corpus_uri), settings)
     write_table("eval", rows_of(episodes, checkpoint=str(checkpoint), seed=settings.seed, **columns), uri)
     return sum(e.em for e in episodes) / max(len(episodes), 1)
 
@@ -84,10 +82,11 @@ def run_eval_settings(config: PipelineConfig, greedy: bool, temperature: float |
 
 
 def _compared(settings: EvalSettings) -> dict:
-    """The settings a dev eval's manifest compares: all but the device (placement changes no answer
-    beyond float rounding, and runs recorded before it existed still resume); of the run's rollout
+    """The settings a dev eval's manifest compares: all but the device and the data access (placement
+    changes no answer beyond float rounding, a moved data root no answer at all, and runs recorded
+    before they existed still resume); of the run's rollout
     section, what changes an answer: the loop and sampling (`spec`) and the envs."""
-    compared = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("device", "rollout")}
+    compared = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("device", "rollout", "access")}
     if settings.rollout is not None:
         cfg = settings.rollout_config()
         compared["rollout"] = {"spec": settings.spec(), "env": cfg.env, "env_kwargs": cfg.env_kwargs,
@@ -155,9 +154,12 @@ def publish_eval_report(eval_id: str, report: EvalReport) -> str:
 
 
 def settings_params(settings: EvalSettings) -> dict:
-    """The settings as flat MLflow params (the seed varies per table and is logged separately)."""
+    """The settings as flat MLflow params (the seed varies per table and is logged separately; the
+    data access is set per table, from the dataset)."""
     flat = {}
     for key, value in dataclasses.asdict(settings).items():
+        if key == "access":
+            continue
         if hasattr(value, "model_dump"):  # a config section (rollout, vllm): settings.<key>.<field>
             value = value.model_dump(mode="json")
         if isinstance(value, dict):

@@ -7,14 +7,14 @@ from pathlib import Path
 
 from agent_core.config import ClusterConfig, RolloutConfig
 from agent_core.data.rows import prompts_from_table
+from agent_core.drivers import DataAccess, roll_out
 from agent_core.io.checkpoints import check_checkpoint, load_tokenizer
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, rows_of, write_table
 from agent_core.rollout.engines import close_engine
-from tasks._common import (
-    completed_outputs, env_of, read_corpus, roll_out, rollout_engine, stage_logger, stage_progress, stage_task,
-)
+from agent_core.rollout.spec import env_for
+from tasks._common import completed_outputs, read_corpus, rollout_engine, stage_logger, stage_progress, stage_task
 
 
 @stage_task(name="rollout")
@@ -41,7 +41,7 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     # Bad input (an unknown env or tool, a checkpoint without weights) fails here, naming the file,
     # before an engine starts or anything is written.
     prompts = prompts_from_table("prompts", read_table("prompts", prompts_uri), prompts_uri,
-                                 env_of=lambda prompt: env_of(prompt, cfg))
+                                 env_of=lambda prompt: env_for(prompt, cfg))
     check_checkpoint(Path(policy_dir))
     documents = read_corpus(corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
@@ -50,7 +50,7 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
         with stage_progress("rollout", f"rollout iteration {iteration}", "episodes"):
             records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
                                policy_version=version, episode_prefix=f"{run.run_id}-i{iteration}-",
-                               corpus_path=corpus_uri, private_root=str(run.data_root))
+                               access=DataAccess(corpus_uri, str(run.data_root)))
     finally:
         close_engine(engine)
     rows = rows_of(records, run_id=run.run_id, iteration=iteration)  # shallow: asdict deep-copies every token list

@@ -10,6 +10,7 @@ from pathlib import Path
 from agent_core.config import RewardConfig, RolloutConfig, WarmStartConfig
 from agent_core.data.oracle import OracleEngine, rag_demonstrations
 from agent_core.devices import resolve_device
+from agent_core.drivers import roll_out
 from agent_core.io.checkpoints import load_policy, load_tokenizer, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
@@ -23,7 +24,6 @@ from tasks._common import (
     completed_outputs,
     label_steps_table,
     read_corpus,
-    roll_out,
     split_prompts,
     stage_logger,
     stage_task,

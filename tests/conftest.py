@@ -36,6 +36,18 @@ def no_server(monkeypatch):
     monkeypatch.setattr(cli, "start_temporary_server", started)
 
 
+@pytest.fixture
+def user_folder(tmp_path, monkeypatch):
+    """A folder of the user's own, made the current directory and importable: where a config's
+    `plugins:` modules are found (agent_core/plugins.py). A plugin imported once stays registered
+    for the session, as in a user's process."""
+    folder = tmp_path / "user"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    return folder
+
+
 def pytest_unconfigure(config):
     """Stop Prefect's temporary API server while pytest's streams are still open (its own atexit
     hook would log to a closed stream)."""

@@ -1,4 +1,4 @@
-"""Env `agent_program` through the rollout driver (tasks/_common.py roll_out): programs run against
+"""Env `agent_program` through its rollout driver (agent_core/drivers roll_out): programs run against
 the gateway over the tiny policy's hf engine, their calls become a valid steps table holding exactly
 what the engine produced, the program's answer reaches the scorer, and a program that crashes,
 hangs or prints no answer is a failed episode with its reason, never a failed rollout."""
@@ -24,7 +24,7 @@ from agent_core.rollout.hf_engine import HFEngine
 from agent_core.training.model import build_tiny_policy, build_tokenizer
 from agent_core.types import ChatMessage, Document, Prompt
 from agent_core.validation import load_config
-from tasks._common import roll_out
+from agent_core.drivers import DataAccess, roll_out
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AGENT = REPO_ROOT / "examples" / "openai_agent" / "agent.py"
@@ -83,7 +83,7 @@ def _cfg(command: list[str], max_context_tokens: int = 512, **kwargs) -> Rollout
 
 def _roll(engine, tokenizer, cfg, corpus=None, prompts=None):
     return roll_out(engine, tokenizer, prompts or _prompts(), DOCUMENTS, cfg, seed=5, policy_version=0,
-                    episode_prefix="r-i0-", corpus_path=corpus)
+                    episode_prefix="r-i0-", access=DataAccess(corpus))
 
 
 def _table(records, tmp_path):

@@ -94,7 +94,7 @@ def test_rollout_tool_instructions_and_env_kwargs_reach_the_eval_settings():
 
 def test_rollout_tool_instructions_reach_the_training_envs(monkeypatch):
     from agent_core.config import RolloutConfig
-    from tasks._common import env_of as _env_of
+    from agent_core.rollout.spec import env_for as _env_of
 
     prompt = generate_synthetic_qa(seed=0, num_films=8, num_people=6, num_cities=3, num_countries=2).prompts[0]
     assert _env_of(prompt, RolloutConfig())[1]["instructions"] is False

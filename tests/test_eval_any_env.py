@@ -24,7 +24,7 @@ from agent_core.rollout.engine import Generation
 from agent_core.rollout.engines import ENGINES
 from agent_core.rollout.spec import RolloutSpec
 from agent_core.validation import load_config
-from tasks._common import roll_out
+from agent_core.drivers import roll_out
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
@@ -124,16 +124,16 @@ def _config(data_root: Path, *overrides: str):
 
 
 def _agent_run(tiny_run, *overrides: str, limit: int = 2) -> ScriptedEngine:
-    """The `agent` method over training's rollout driver with the run's eval settings."""
+    """The `agent` method (through the rollout drivers) with the run's eval settings."""
     from agent_core.io.checkpoints import load_tokenizer
-    from tasks._common import read_corpus, roll_out, split_prompts
+    from tasks._common import read_corpus, split_prompts
     from tasks.evaluate import run_eval_settings
 
     data_root, dataset, policy_dir = tiny_run
     settings = run_eval_settings(_config(data_root, *overrides), greedy=True)
     engine = ScriptedEngine(load_tokenizer(Path(policy_dir)))
     episodes = tool_agent_episodes(engine, engine.tokenizer, split_prompts(dataset, "dev", limit),
-                                   read_corpus(dataset.corpus_uri), settings, roll_out=roll_out)
+                                   read_corpus(dataset.corpus_uri), settings)
     assert [e.termination for e in episodes] == ["max_steps"] * limit  # tiny: 3 searches, cut off
     return engine
 
@@ -173,12 +173,12 @@ def test_eval_settings_build_the_loop_from_the_run_spec():
 
 
 def test_dev_eval_runs_with_the_training_loop_settings(tiny_run, monkeypatch):
-    import tasks.evaluate
+    import agent_core.eval.methods
     from agent_core.config import DevEvalConfig
     from tasks.evaluate import dev_eval, run_eval_settings
 
-    driven = []  # the dev eval's episodes go through training's rollout driver (and its env branches)
-    monkeypatch.setattr(tasks.evaluate, "roll_out", lambda *a, **k: driven.append(k["spec"]) or roll_out(*a, **k))
+    driven = []  # the dev eval's episodes go through the one rollout entry point (and its drivers)
+    monkeypatch.setattr(agent_core.eval.methods, "roll_out", lambda *a, **k: driven.append(k["spec"]) or roll_out(*a, **k))
 
     data_root, dataset, policy_dir = tiny_run
     config = _config(data_root, f"rollout.engine={ENGINE_NAME}", "rollout.context_mode=last_k",

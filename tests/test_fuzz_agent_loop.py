@@ -220,7 +220,7 @@ def task():
 
 
 def _roll_out(task, config, seed: int, labels: dict, calls_written: dict) -> tuple[FuzzEngine, list[dict]]:
-    """One config's rollout, the way tasks/_common.py's roll_out drives the loop."""
+    """One config's rollout, the way the agent_loop driver (agent_core/drivers/loop.py) drives the loop."""
     dataset, tokenizer, resources = task
     name, env_name, env_kwargs, tools, context, group_size, n_prompts, max_steps = config
     engine = FuzzEngine(tokenizer, Writer(env_kwargs["tool_format"], tools), seed, labels, calls_written)

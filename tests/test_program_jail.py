@@ -25,7 +25,7 @@ from agent_core.io.tables import write_table
 from agent_core.rollout.hf_engine import HFEngine
 from agent_core.training.model import build_tiny_policy, build_tokenizer
 from agent_core.types import ChatMessage, Document, Prompt
-from tasks._common import roll_out
+from agent_core.drivers import DataAccess, roll_out
 
 GROUP = 4
 # Waits until all GROUP siblings run (a file each in the barrier folder), steals what /proc shows,
@@ -111,8 +111,8 @@ def _hostile_rollout(engine_and_tokenizer, tmp_path: Path, root: Path, jailed: b
     prompt = Prompt("q0", "test", "train", (ChatMessage("user", "Who directed The Silent Harbor?"),),
                     ("Ana Kowalski",), "search_qa")
     records = roll_out(engine, tokenizer, [prompt], [], cfg, seed=0, policy_version=0, episode_prefix="",
-                       corpus_path=str(root / "datasets" / "d" / "corpus.parquet"),
-                       private_root=str(root) if jailed else None)
+                       access=DataAccess(str(root / "datasets" / "d" / "corpus.parquet"),
+                                         str(root) if jailed else None))
     finals = {r.episode_id: json.loads(r.info) for r in records if r.done}
     assert len(finals) == GROUP, [(r.episode_id, r.info) for r in records]
     steps = {episode: sum(r.episode_id == episode for r in records) for episode in finals}

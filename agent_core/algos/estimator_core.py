@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import KW_ONLY, dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -69,6 +69,9 @@ class AdvantageInputs:
     - whiten: whiten the advantages over every masked token of the batch (``gae``, ``step_gae``;
       ``reinforce_pp*`` always whiten as part of the algorithm, ``grpo`` / ``rloo`` never do).
     - omega: weight of the step-level (anchor-group) advantage added to the episode's (``gigpo``).
+    - options: the estimator's own settings object (``algorithm.estimator_options`` validated by the
+      settings model it was registered with: ``ADVANTAGE_ESTIMATORS.register(name, settings=...)``);
+      None for one registered without.
 
     values is the last positional field; the rest are keyword-only.
     """
@@ -86,6 +89,7 @@ class AdvantageInputs:
     whiten: bool = False
     step_anchors: torch.Tensor | None = None
     omega: float = 1.0
+    options: Any = None
 
     def __post_init__(self) -> None:
         if self.token_rewards.dim() != 2:

@@ -37,6 +37,7 @@ Where this differs from the single-turn paper:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -112,6 +113,7 @@ def gspo_loss(
     num_tokens: float | None = None,
     num_sequences: float | None = None,
     norm_length: float | None = None,
+    options: Any = None,
 ) -> PolicyLossOutput:
     """GSPO loss over action segments (module docstring). All inputs [B, L]; aggregated by `agg_mode`.
 

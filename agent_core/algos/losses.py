@@ -27,7 +27,7 @@ baselines), aggregated by the same modes. KL estimators to a reference policy li
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -128,7 +128,9 @@ class PolicyLoss(Protocol):
     advantages: float [B, L], each token's advantage; loss_mask: [B, L] 0/1, the tokens trained.
     clip_low, clip_high, dual_clip: clip settings, accepted and ignored by a loss that does not
     clip (so a config can switch losses by name alone). agg_mode, num_tokens, num_sequences,
-    norm_length: how the per-token loss is reduced (``aggregate_loss``).
+    norm_length: how the per-token loss is reduced (``aggregate_loss``). options: the loss's own
+    settings object (trainer.policy_loss_options validated by the settings model it was registered
+    with, ``POLICY_LOSSES.register(name, settings=...)``); None for one registered without.
     Returns PolicyLossOutput: scalar loss with grad, detached clipfrac and approx_kl.
     """
 
@@ -146,6 +148,7 @@ class PolicyLoss(Protocol):
         num_tokens: float | None = ...,
         num_sequences: float | None = ...,
         norm_length: float | None = ...,
+        options: Any = ...,
     ) -> PolicyLossOutput: ...
 
 
@@ -175,6 +178,7 @@ def ppo_clip_loss(
     num_tokens: float | None = None,
     num_sequences: float | None = None,
     norm_length: float | None = None,
+    options: Any = None,
 ) -> PolicyLossOutput:
     """PPO clipped policy loss. All inputs [B, L]; the loss is aggregated by `agg_mode`.
 

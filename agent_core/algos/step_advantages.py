@@ -163,6 +163,7 @@ def estimate_step_advantages(
     use_loss_mask: bool = True,
     whiten: bool = False,
     omega: float = 1.0,
+    options: Any = None,
     values: GridSource = None,
     kl_penalty: GridSource = None,
 ) -> list[StepAdvantage]:
@@ -173,7 +174,8 @@ def estimate_step_advantages(
     e.g. beta * KL estimate per token, subtracted from the rewards on action tokens only (other
     entries are ignored). use_loss_mask: False stores observation advantages for the policy to
     train with (module docstring). whiten: passed to the estimator (gae, step_gae); omega: the step-level
-    weight (gigpo, which also reads the rows' anchors).
+    weight (gigpo, which also reads the rows' anchors); options: the estimator's own settings object
+    (``AdvantageInputs.options``).
     """
     layout = batch.layout
     value_grid = _resolve_grid("values", values, layout)
@@ -184,7 +186,7 @@ def estimate_step_advantages(
     output = estimate_advantages(estimator, AdvantageInputs(
         token_rewards, advantage_mask(layout, use_advantage_mask), batch.group_index, value_grid,
         gamma=gamma, lam=lam, eps=eps, norm_by_std=norm_by_std, step_starts=layout.step_starts, whiten=whiten,
-        step_anchors=anchor_grid(batch), omega=omega,
+        step_anchors=anchor_grid(batch), omega=omega, options=options,
     ))
     advantage_grid = output.advantages
     if use_advantage_mask and not use_loss_mask:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
 from agent_core.config._base import _Section
@@ -12,6 +14,9 @@ class AlgorithmConfig(_Section):
 
     estimator: str = Field("grpo", description="advantage estimator (agent_core/algos); gae and step_gae train a "
                            "critic too (the critic: section)")
+    estimator_options: dict[str, Any] = Field(default_factory=dict, description="the estimator's own settings, "
+                                              "checked by the settings model it was registered with (the built-in "
+                                              "estimators have none: their settings are the keys below)")
     norm_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
     gamma: float = Field(1.0, ge=0, le=1, description="discount of future rewards (gae, step_gae, reinforce_pp, "
                          "gigpo's step returns); 1 = undiscounted, as episodes are short")

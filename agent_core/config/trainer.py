@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -38,6 +38,9 @@ class TrainerConfig(_Section):
                                "tokens, seq-mean-token-mean (each sequence weighs the same) or seq-mean-token-sum-norm "
                                "(Dr.GRPO: token sums over a fixed length)")
     policy_loss: str = Field("ppo_clip", description="a registered policy loss (agent_core/algos/losses.py)")
+    policy_loss_options: dict[str, Any] = Field(default_factory=dict, description="the policy loss's own settings, "
+                                                "checked by the settings model it was registered with (the built-in "
+                                                "losses have none: their settings are the keys above)")
     epochs: int = Field(1, ge=1, description="passes over an iteration's data")
     mini_batches: int = Field(2, ge=1, description="optimizer steps per epoch")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(

@@ -34,6 +34,25 @@ class EnvResources:
 EnvFactory = Callable[..., AgentEnv]  # (resources: EnvResources, **kwargs) -> AgentEnv
 
 ENVS: Registry[EnvFactory] = Registry("env")
+LOOP_DRIVER = "agent_loop"  # the rollout driver of an env registered without one (agent_core/drivers)
+_DRIVER_OF: dict[str, str] = {}  # env name -> its rollout driver's name, beside ENVS
+
+
+def register_env(name: str, *, driver: str = LOOP_DRIVER) -> Callable[[EnvFactory], EnvFactory]:
+    """`ENVS.register(name)`, plus the rollout driver its episodes need (a name in
+    agent_core/drivers DRIVERS, checked at config load): the in-process agent loop by default."""
+    def decorator(factory: EnvFactory) -> EnvFactory:
+        ENVS.register(name)(factory)
+        _DRIVER_OF[name] = driver
+        return factory
+
+    return decorator
+
+
+def env_driver(name: str) -> str:
+    """The rollout driver env `name` declared (UnknownNameError for an unknown env)."""
+    ENVS.check(name)
+    return _DRIVER_OF.get(name, LOOP_DRIVER)
 
 
 @ENVS.register("tool_env")
@@ -72,16 +91,17 @@ def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str
                    instructions=instructions)
 
 
-@ENVS.register(ENV_NAME)
+@register_env(ENV_NAME, driver=ENV_NAME)
 def _make_agent_program(resources: EnvResources, *, command: Sequence[str] = (), timeout_s: float = 60.0,
                         max_parallel: int = 4, max_output_bytes: int = 1_000_000) -> AgentEnv:
     """Your own agent program, run once per episode against the gateway (agent_core/gateway,
-    agent_core/envs/agent_program.py). Its episodes are rolled out by the gateway's rollout, not the
-    agent loop: nothing builds this env, its kwargs are checked here (`ProgramSpec.from_env_kwargs`)."""
+    agent_core/envs/agent_program.py). Its episodes are rolled out by its own driver
+    (agent_core/drivers/program.py), not the agent loop: nothing builds this env, its kwargs are
+    checked here (`ProgramSpec.from_env_kwargs`)."""
     ProgramSpec.from_env_kwargs({"command": command, "timeout_s": timeout_s, "max_parallel": max_parallel,
                                  "max_output_bytes": max_output_bytes})
-    raise ValueError(f"env {ENV_NAME!r} runs a program through the gateway (agent_core/gateway/program_rollout.py), "
-                     "not in the agent loop; roll it out with tasks._common.roll_out")
+    raise ValueError(f"env {ENV_NAME!r} runs a program through the gateway, not in the agent loop; "
+                     "roll it out with agent_core.drivers.roll_out (its driver is agent_program)")
 
 
 # Envs whose tools are fixed by the env, not chosen by a `tools` argument.

@@ -1,11 +1,10 @@
 """Evaluation methods by name: a policy answers prompts, each answer is scored by the run's scorer
 (`settings.scorer`, a name in agent_core/rewards/scorers.py SCORERS; its EM and F1 go to the table).
 
-Every method has one signature, `(policy_dir, prompts, documents, settings, roll_out=None) ->
-list[EvalEpisode]`, and is registered in `EVAL_METHODS`. `roll_out` is the rollout driver the agent
-methods run their episodes through: the pipeline passes training's (tasks/_common.py `roll_out`, which
-also runs the envs that need the task layer, such as agent_program); None runs them in this process
-(agent_core/rollout/spec.py `local_roll_out`). A method that does not take `roll_out` is called without it.
+Every method has one signature, `(policy_dir, prompts, documents, settings) -> list[EvalEpisode]`,
+and is registered in `EVAL_METHODS`. The agent methods roll out through the one rollout entry point
+(agent_core/drivers `roll_out`), so every env evaluates through its own driver (agent_program's
+programs jailed as `settings.access` says).
 
 - `naive_rag`: retrieve once, answer once. BM25 top-k over the corpus for the question text, the
   passages and the question in ONE user turn (the dataset's system message is kept; its tool
@@ -30,16 +29,15 @@ tests, vLLM) can be evaluated; the registered methods load both from `policy_dir
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from agent_core.config import RolloutConfig, VLLMConfig
 from agent_core.data.naive_rag import naive_rag_messages, question_text
+from agent_core.drivers import DataAccess, roll_out
 from agent_core.envs.search import Bm25Index
 from agent_core.registry import Registry
 from agent_core.rewards.scorers import SCORERS
@@ -47,7 +45,7 @@ from agent_core.progress import report
 from agent_core.rollout.chat import encode_conversation, eos_token_ids
 from agent_core.rollout.engine import Engine, SamplingParams
 from agent_core.rollout.records import StepRecord
-from agent_core.rollout.spec import RolloutSpec, local_roll_out
+from agent_core.rollout.spec import RolloutSpec
 from agent_core.types import Document, Prompt
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -67,6 +65,7 @@ class EvalSettings:
     unused; the budgets are always this object's fields (run_eval_settings copies training's). None:
     the search_qa env with top_k, tool_format and instructions (a standalone eval).
     scorer: the outcome scorer (SCORERS) whose EM and F1 the table records; a run's reward.scorer.
+    access: what an env's own program may read of the data root (the dataset's corpus; agent_program).
     """
 
     seed: int = 0
@@ -84,6 +83,7 @@ class EvalSettings:
     device: str = "auto"
     rollout: RolloutConfig | None = None
     scorer: str = "qa_em"
+    access: DataAccess = DataAccess()
 
     def __post_init__(self) -> None:
         if not self.greedy and self.temperature <= 0:
@@ -130,24 +130,8 @@ class EvalEpisode:
     termination: str | None
 
 
-class RollOut(Protocol):
-    """A rollout driver (tasks/_common.py `roll_out`, agent_core/rollout/spec.py `local_roll_out`)."""
-
-    def __call__(self, engine: Engine, tokenizer, prompts: list[Prompt], documents: list[Document],
-                 cfg: RolloutConfig, *, seed: int, policy_version: int, episode_prefix: str,
-                 spec: RolloutSpec) -> list[StepRecord]: ...
-
-
-EvalMethod = Callable[..., list[EvalEpisode]]  # (policy_dir, prompts, documents, settings[, roll_out]) (module docstring)
+EvalMethod = Callable[..., list[EvalEpisode]]  # (policy_dir, prompts, documents, settings) (module docstring)
 EVAL_METHODS: Registry[EvalMethod] = Registry("eval method")
-
-
-def call_method(method: EvalMethod, policy_dir: Path, prompts: Sequence[Prompt], documents: Sequence[Document],
-                settings: EvalSettings, roll_out: RollOut | None = None) -> list[EvalEpisode]:
-    """Run `method`, giving it `roll_out` if it takes one (a plugin's method may not)."""
-    if roll_out is not None and "roll_out" in inspect.signature(method).parameters:
-        return method(policy_dir, prompts, documents, settings, roll_out=roll_out)
-    return method(policy_dir, prompts, documents, settings)
 
 
 def answer_of(text: str) -> str | None:
@@ -194,12 +178,11 @@ def naive_rag_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], doc
 
 
 def tool_agent_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], documents: Sequence[Document],
-                        settings: EvalSettings, roll_out: RollOut | None = None) -> list[EvalEpisode]:
-    """One agent-loop episode per prompt in the run's envs, through `roll_out` (default in this
-    process) with the run's loop settings (`settings.spec()`); scored on its final answer."""
-    driver = local_roll_out if roll_out is None else roll_out
-    records = driver(engine, tokenizer, list(prompts), list(documents), settings.rollout_config(), seed=settings.seed,
-                     policy_version=0, episode_prefix="eval-", spec=settings.spec())
+                        settings: EvalSettings) -> list[EvalEpisode]:
+    """One episode per prompt in the run's envs, each through its env's driver, with the run's loop
+    settings (`settings.spec()`); scored on its final answer."""
+    records = roll_out(engine, tokenizer, list(prompts), list(documents), settings.rollout_config(), seed=settings.seed,
+                       policy_version=0, episode_prefix="eval-", spec=settings.spec(), access=settings.access)
     return agent_episodes(prompts, records, settings.scorer)
 
 
@@ -231,10 +214,8 @@ def _agent_episode(prompt: Prompt, steps: list[StepRecord], scorer: str) -> Eval
 def _with_policy(episodes_fn) -> EvalMethod:
     """A registered method: load the engine and tokenizer of `policy_dir`, run, close the engine."""
 
-    takes_driver = "roll_out" in inspect.signature(episodes_fn).parameters
-
     def method(policy_dir: Path, prompts: Sequence[Prompt], documents: Sequence[Document],
-               settings: EvalSettings, roll_out: RollOut | None = None) -> list[EvalEpisode]:
+               settings: EvalSettings) -> list[EvalEpisode]:
         from agent_core.io.checkpoints import load_tokenizer
         from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 
@@ -244,8 +225,6 @@ def _with_policy(episodes_fn) -> EvalMethod:
                                 vllm=settings.vllm, hf=settings.rollout_config().hf, device=settings.device)
         engine = factory(Path(policy_dir), options)
         try:
-            if takes_driver:
-                return episodes_fn(engine, tokenizer, list(prompts), list(documents), settings, roll_out=roll_out)
             return episodes_fn(engine, tokenizer, list(prompts), list(documents), settings)
         finally:
             close_engine(engine)

@@ -69,7 +69,7 @@ class RolloutTimings:
     thread hand-offs, the caller's own set-up) is the rest of the rollout's time outside generate.
     """
 
-    index_seconds: float = 0.0  # building the search index (set by the caller that builds it: tasks._common.roll_out)
+    index_seconds: float = 0.0  # building the search index (set by the caller that builds it: the agent_loop driver, agent_core/drivers/loop.py)
     start_seconds: float = 0.0  # envs built and reset, opening conversations encoded
     decode_seconds: float = 0.0  # actions decoded to text
     env_wait_seconds: float = 0.0  # waiting for env steps (tool calls) to finish, the straggler wait included

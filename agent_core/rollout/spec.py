@@ -1,16 +1,8 @@
 """A run's rollout as the agent loop and the engine take it: ONE place that turns the config's
-`rollout` section into `LoopSettings` and `SamplingParams`.
-
-Training's rollout driver (tasks/_common.py `roll_out`), the evaluation methods and the dev eval
-all build their loop from a `RolloutSpec`, so a run trained with `context_mode: last_k`, an
-observation cut or small budgets is evaluated with exactly those (before, eval built its own
-settings and always ran with the full context). Eval changes only what evaluating means:
-`for_eval` gives one episode per prompt and greedy (temperature 0) or its own temperature.
-
-`env_for` is the other half of "as training": which env (and kwargs) a prompt runs in under the
-config. `local_roll_out` runs a rollout in this process without the task layer (a library caller,
-tests); the pipeline's stages use tasks/_common.py `roll_out`, which also knows the envs that need
-the task layer (agent_program).
+`rollout` section into `LoopSettings` and `SamplingParams` (`RolloutSpec`), and decides which env a
+prompt runs in (`env_for`). Training, eval (`for_eval`: one greedy episode per prompt, training's
+context policy and budgets) and the dev eval all build their loop here; the rollout drivers
+(agent_core/drivers) run it.
 """
 
 from __future__ import annotations
@@ -19,14 +11,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from agent_core.config import RolloutConfig
-from agent_core.envs.registry import ENVS, EnvResources, env_kwarg_names, make_env
+from agent_core.envs.registry import ENVS, EnvResources, env_kwarg_names
 from agent_core.envs.search import shared_index
 from agent_core.envs.tool_env import ChatCapabilities
-from agent_core.rollout.agent_loop import LoopSettings, RolloutTimings, run_episodes
-from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
+from agent_core.rollout.agent_loop import LoopSettings
+from agent_core.rollout.chat import template_supports_tool_role, template_supports_tools
 from agent_core.rollout.context import ContextPolicy
-from agent_core.rollout.engine import Engine, SamplingParams
-from agent_core.rollout.records import StepRecord
+from agent_core.rollout.engine import SamplingParams
 from agent_core.types import Document, Prompt
 
 
@@ -99,16 +90,3 @@ def env_resources(tokenizer, documents: Sequence[Document]) -> EnvResources:
     what the policy's chat template can render."""
     chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
     return EnvResources(search_index=shared_index(list(documents)), chat=chat)
-
-
-def local_roll_out(engine: Engine, tokenizer, prompts: Sequence[Prompt], documents: Sequence[Document],
-                   cfg: RolloutConfig, *, seed: int, policy_version: int = 0, episode_prefix: str = "",
-                   spec: RolloutSpec | None = None, group_size: int | None = None,
-                   timings: RolloutTimings | None = None) -> list[StepRecord]:
-    """Episodes of `prompts` in the config's envs, in this process (the in-process envs only), with
-    `spec`'s loop and sampling (default the config's): tasks/_common.py `roll_out` without the task layer."""
-    spec = RolloutSpec.from_config(cfg) if spec is None else spec
-    resources = env_resources(tokenizer, documents)
-    return run_episodes(engine, tokenizer, prompts, lambda p: make_env(*env_for(p, cfg), resources),
-                        spec.sampling(seed, eos_token_ids(tokenizer)),
-                        spec.loop(policy_version, episode_prefix, group_size), timings)

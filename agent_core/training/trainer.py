@@ -100,7 +100,8 @@ def _policy_micro_batch(model, batch: PaddedBatch, masks: Masks, prep: Prepared,
     scale = prep.policy_norms.scale()
     policy = POLICY_LOSSES.get(s.policy_loss)(
         logprobs, old_logprobs, batch.advantages, masks.loss_mask,  # its own advantage per token
-        clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip, agg_mode=s.agg_mode, **scale)
+        clip_low=s.clip_low, clip_high=s.clip_high, dual_clip=s.dual_clip, agg_mode=s.agg_mode,
+        options=s.policy_loss_options, **scale)
     loss = policy.loss
     if s.entropy_coef != 0:
         loss = loss - s.entropy_coef * aggregate_loss(entropy, masks.loss_mask, s.agg_mode, **scale)

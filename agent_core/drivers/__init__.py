@@ -1,0 +1,11 @@
+"""Rollout drivers by name: how an env's episodes are rolled out (docs/architecture.md, "Rollout drivers").
+
+`roll_out` is the one entry point training, the warm start, eval and the benchmarks call; each env
+names its driver when registered (`agent_core.envs.registry.register_env`, default `agent_loop`).
+Importing this package registers the built-in drivers.
+"""
+
+from agent_core.drivers.base import DRIVERS, DataAccess, RolloutDriver, RolloutRequest, roll_out
+from agent_core.drivers import loop as _loop, program as _program  # noqa: F401  (they register themselves)
+
+__all__ = ["DRIVERS", "DataAccess", "RolloutDriver", "RolloutRequest", "roll_out"]

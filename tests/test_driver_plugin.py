@@ -1,0 +1,90 @@
+"""An env with a rollout driver of its own, added from one plugin file that touches no file of the
+project (issue 40): `register_env(..., driver=...)` plus `DRIVERS.register(...)`, then trained with
+in a tiny run (`agentr1 train`, dev eval included) and refused at config load when its driver is
+not registered."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from agent_core.config_errors import ConfigError
+from agent_core.io.layout import DataRoot
+from agent_core.io.tables import read_table
+from flows.cli import main as cli_main
+
+# One generation per episode; the answer is the gold one when the first sampled token id is even,
+# so rewards vary within a group and the update has a signal. Every step says which driver made it.
+PLUGIN = '''
+import json
+from agent_core.drivers import DRIVERS
+from agent_core.envs.registry import register_env
+from agent_core.rollout.chat import encode_conversation, eos_token_ids
+from agent_core.rollout.records import StepRecord
+
+
+@register_env("one_shot_guess", driver="one_shot")
+def one_shot_guess(resources):
+    raise ValueError("one_shot_guess is rolled out by its driver, never built")
+
+
+@register_env("orphan_env", driver="nobody_registered_this")
+def orphan_env(resources):
+    raise ValueError("never built")
+
+
+@DRIVERS.register("one_shot")
+def one_shot(request, prompts):
+    group = request.group_size or request.spec.group_size
+    sampling = request.spec.sampling(request.seed, eos_token_ids(request.tokenizer))
+    steps = []
+    for prompt in prompts:
+        context = encode_conversation(request.tokenizer, prompt.messages)
+        for k, generation in enumerate(request.engine.generate([context] * group, sampling)):
+            answer = prompt.answers[0] if generation.token_ids[0] % 2 == 0 else "no idea"
+            group_id = f"{request.episode_prefix}{prompt.prompt_id}"
+            steps.append(StepRecord(
+                episode_id=f"{group_id}-s{k}", group_id=group_id, prompt_id=prompt.prompt_id, sample_idx=k,
+                step_idx=0, policy_version=request.policy_version, prompt_ids=context,
+                response_ids=list(generation.token_ids), response_logprobs=list(generation.logprobs),
+                response_text=request.tokenizer.decode(generation.token_ids), tool_calls="[]", parse_error=None,
+                observation_text="", env_reward=0.0, done=True, termination="answered", truncated=False,
+                finish_reason=generation.finish_reason, prefix_shared=False,
+                info=json.dumps({"answer": answer, "driver": "one_shot"}), history="start"))
+    return steps
+'''
+
+
+@pytest.fixture()
+def plugin_dir(user_folder):
+    (user_folder / "one_shot_driver.py").write_text(PLUGIN)
+    return user_folder
+
+
+def test_an_env_with_its_own_driver_trains_from_a_plugin_file(plugin_dir, tmp_path):
+    root = tmp_path / "data"
+    assert cli_main(["train", "--config", "tiny", "--run-id", "p", "--data-root", str(root), "--set", "iterations=1",
+                     "--set", "plugins=[one_shot_driver]", "--set", "rollout.env=one_shot_guess"]) == 0
+    run = DataRoot(root).run("p")
+    steps = read_table("steps", run.table_uri(0, "steps")).to_pylist()
+    assert steps and {json.loads(s["info"])["driver"] for s in steps} == {"one_shot"}  # the loop never ran them
+    assert len(steps) == 3 * 2  # tiny: 3 prompts x group_size 2, one step each
+    rewards = read_table("rewards", run.table_uri(0, "rewards")).column("reward").to_pylist()
+    assert len(rewards) == len(steps)
+    metrics = read_table("train_metrics", run.table_uri(0, "train_metrics")).to_pylist()
+    assert metrics and all(math.isfinite(m["loss"]) and not m["skipped"] for m in metrics)
+    dev = read_table("eval", run.dev_eval_uri(0)).to_pylist()  # the dev eval went through the driver too
+    assert dev and {d["termination"] for d in dev} == {"answered"} and {d["steps"] for d in dev} == {1}
+
+
+def test_an_env_whose_driver_is_not_registered_is_refused_at_config_load(plugin_dir, tmp_path, capsys, no_server):
+    from agent_core.validation import build_config
+
+    with pytest.raises(ConfigError, match="unknown rollout driver 'nobody_registered_this'.*one_shot"):
+        build_config({"plugins": ["one_shot_driver"], "warm_start": {"enabled": False},
+                      "rollout": {"env": "orphan_env"}})
+    assert cli_main(["train", "--config", "tiny", "--data-root", str(tmp_path / "d"), "--set",
+                     "plugins=[one_shot_driver]", "--set", "rollout.env=orphan_env"]) == 2
+    assert "rollout.env" in capsys.readouterr().err and not (tmp_path / "d" / "runs").exists()
