@@ -7,6 +7,8 @@ checked at config-load time rather than mid-run.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Generic, Mapping, TypeVar
 
 T = TypeVar("T")
@@ -51,6 +53,19 @@ class Registry(Generic[T]):
             return item
 
         return decorator
+
+    @contextmanager
+    def scoped(self) -> Iterator[None]:
+        """Registrations made inside the block are undone when it ends (a test's plugin, a notebook's
+        experiment); what was registered before stays."""
+        items, settings = dict(self._items), dict(self._settings)
+        try:
+            yield
+        finally:
+            self._items.clear()
+            self._items.update(items)
+            self._settings.clear()
+            self._settings.update(settings)
 
     def settings_model(self, name: str) -> Any:
         """The settings model `name` was registered with; None if it takes no options."""

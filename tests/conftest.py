@@ -6,7 +6,9 @@ Set before any test module imports prefect (it reads its settings at import).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -39,13 +41,36 @@ def no_server(monkeypatch):
 @pytest.fixture
 def user_folder(tmp_path, monkeypatch):
     """A folder of the user's own, made the current directory and importable: where a config's
-    `plugins:` modules are found (agent_core/plugins.py). A plugin imported once stays registered
-    for the session, as in a user's process."""
+    `plugins:` modules are found (agent_core/plugins.py). What its plugins register is undone after
+    the test (`Registry.scoped`) and their modules forgotten, so other tests see the built-ins only."""
     folder = tmp_path / "user"
     folder.mkdir()
     monkeypatch.chdir(folder)
     monkeypatch.syspath_prepend(str(folder))
-    return folder
+    modules = set(sys.modules)
+    with ExitStack() as scopes:
+        for registry in _registries():
+            scopes.enter_context(registry.scoped())
+        yield folder
+    for name in set(sys.modules) - modules:
+        if str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(folder)):
+            del sys.modules[name]
+
+
+def _registries() -> list:
+    from agent_core.algos.estimator_core import ADVANTAGE_ESTIMATORS
+    from agent_core.algos.kl import KL_ESTIMATORS
+    from agent_core.algos.losses import LOSS_AGG_MODES, POLICY_LOSSES
+    from agent_core.drivers import DRIVERS
+    from agent_core.envs.formats.actions import FORMATS
+    from agent_core.envs.registry import ENVS
+    from agent_core.envs.tools import TOOLS
+    from agent_core.eval.methods import EVAL_METHODS
+    from agent_core.rewards.scorers import SCORERS
+    from agent_core.rollout.engines import ENGINES
+
+    return [ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, DRIVERS, FORMATS, ENVS, TOOLS,
+            EVAL_METHODS, SCORERS, ENGINES]
 
 
 def pytest_unconfigure(config):

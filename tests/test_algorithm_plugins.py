@@ -112,3 +112,21 @@ def test_options_that_do_not_fit_the_settings_model_are_refused_at_config_load(p
         build_config({**base, "algorithm": {"estimator": "grpo", "estimator_options": {"value": 1.0}}})
     config = build_config({**base, "algorithm": {"estimator": "constant", "estimator_options": {"value": 2.0}}})
     assert ADVANTAGE_ESTIMATORS.settings("constant", config.algorithm.estimator_options).value == 2.0
+
+
+def test_a_scoped_registry_forgets_what_was_registered_inside_and_keeps_the_rest():
+    from pydantic import BaseModel
+
+    from agent_core.registry import Registry
+
+    class Options(BaseModel):
+        size: int = 1
+
+    things = Registry("thing")
+    things.register("kept")(1)
+    with things.scoped():
+        things.register("inside", settings=Options)(2)
+        assert things.names() == ["inside", "kept"] and things.settings("inside", {"size": 3}).size == 3
+    assert things.names() == ["kept"] and "inside" not in things
+    things.register("inside")(3)  # the name is free again, and registered without a settings model now
+    assert things.settings_model("inside") is None and things.get("inside") == 3
