@@ -5,6 +5,7 @@ not registered."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -13,16 +14,18 @@ import pytest
 from agent_core.config_errors import ConfigError
 from agent_core.io.layout import DataRoot
 from agent_core.io.tables import read_table
+from agent_core.rollout.engine import Generation
+from agent_core.rollout.records import EpisodeIdentity, one_step_episode
 from flows.cli import main as cli_main
+from schemas import table_from_rows, validate
 
 # One generation per episode; the answer is the gold one when the first sampled token id is even,
 # so rewards vary within a group and the update has a signal. Every step says which driver made it.
 PLUGIN = '''
-import json
 from agent_core.drivers import DRIVERS
 from agent_core.envs.registry import register_env
 from agent_core.rollout.chat import encode_conversation, eos_token_ids
-from agent_core.rollout.records import StepRecord
+from agent_core.rollout.records import EpisodeIdentity, one_step_episode
 
 
 @register_env("one_shot_guess", driver="one_shot")
@@ -42,17 +45,12 @@ def one_shot(request, prompts):
     steps = []
     for prompt in prompts:
         context = encode_conversation(request.tokenizer, prompt.messages)
+        group_id = f"{request.episode_prefix}{prompt.prompt_id}"
         for k, generation in enumerate(request.engine.generate([context] * group, sampling)):
             answer = prompt.answers[0] if generation.token_ids[0] % 2 == 0 else "no idea"
-            group_id = f"{request.episode_prefix}{prompt.prompt_id}"
-            steps.append(StepRecord(
-                episode_id=f"{group_id}-s{k}", group_id=group_id, prompt_id=prompt.prompt_id, sample_idx=k,
-                step_idx=0, policy_version=request.policy_version, prompt_ids=context,
-                response_ids=list(generation.token_ids), response_logprobs=list(generation.logprobs),
-                response_text=request.tokenizer.decode(generation.token_ids), tool_calls="[]", parse_error=None,
-                observation_text="", env_reward=0.0, done=True, termination="answered", truncated=False,
-                finish_reason=generation.finish_reason, prefix_shared=False,
-                info=json.dumps({"answer": answer, "driver": "one_shot"}), history="start"))
+            identity = EpisodeIdentity(f"{group_id}-s{k}", group_id, prompt.prompt_id, k, request.policy_version)
+            steps.append(one_step_episode(identity, context, generation, request.tokenizer.decode(generation.token_ids),
+                                          termination="answered", info={"answer": answer, "driver": "one_shot"}))
     return steps
 '''
 
@@ -88,3 +86,17 @@ def test_an_env_whose_driver_is_not_registered_is_refused_at_config_load(plugin_
     assert cli_main(["train", "--config", "tiny", "--data-root", str(tmp_path / "d"), "--set",
                      "plugins=[one_shot_driver]", "--set", "rollout.env=orphan_env"]) == 2
     assert "rollout.env" in capsys.readouterr().err and not (tmp_path / "d" / "runs").exists()
+
+
+def test_one_step_episode_is_a_whole_valid_episode_and_takes_a_replicas_version():
+    identity = EpisodeIdentity("r-p1-s1", "r-p1", "p1", 1, 3)
+    step = one_step_episode(identity, [5, 6], Generation([7, 8], [-0.5, -0.25], "length", policy_version=2,
+                                                         served_by="replica-0"), "ab", termination="max_context",
+                            info={"answer": "é"})
+    assert (step.step_idx, step.done, step.truncated, step.policy_version, step.served_by) == (0, True, True, 2, "replica-0")
+    assert (step.prompt_ids, step.response_ids, step.info, step.history) == ([5, 6], [7, 8], '{"answer": "é"}', "start")
+    validate("steps", table_from_rows("steps", [{"run_id": "r", "iteration": 3, **dataclasses.asdict(step)}]))
+    answered = one_step_episode(identity, [5], Generation([7], [-1.0], "stop"), "a", termination="answered", info={})
+    assert (answered.truncated, answered.policy_version) == (False, 3)
+    with pytest.raises(ValueError, match="termination 'done' is not one of"):
+        one_step_episode(identity, [5], Generation([7], [-1.0], "stop"), "a", termination="done", info={})

@@ -30,7 +30,6 @@ the policy to fail).
 from __future__ import annotations
 
 import functools
-import json
 import re
 from typing import Sequence
 
@@ -43,7 +42,7 @@ from agent_core.envs.registry import check_env_spec, env_tool_names
 from agent_core.envs.search import Bm25Index
 from agent_core.rollout.chat import encode_conversation, eos_token_ids
 from agent_core.rollout.engine import Generation, SamplingParams
-from agent_core.rollout.records import StepRecord
+from agent_core.rollout.records import EpisodeIdentity, StepRecord, one_step_episode
 from agent_core.types import Document, Prompt
 
 # The search tool's declaration as the formats need it (the real tool needs a corpus to exist).
@@ -225,11 +224,8 @@ def rag_demonstrations(tokenizer, prompts: Sequence[Prompt], documents: Sequence
         context = encode_conversation(tokenizer, naive_rag_messages(prompt, index.search(question_text(prompt), top_k)))
         text = _format("tag").format_answer(_LEADING_SPACE["tag"] + answer)  # the method reads <answer> tags
         response = tokenizer.encode(text, add_special_tokens=False) + [end_of_turn]
-        records.append(StepRecord(
-            episode_id=f"{episode_prefix}{prompt.prompt_id}", group_id=f"{episode_prefix}{prompt.prompt_id}",
-            prompt_id=prompt.prompt_id, sample_idx=0, step_idx=0, policy_version=0, prompt_ids=context,
-            response_ids=response, response_logprobs=[0.0] * len(response), response_text=text, tool_calls="[]",
-            parse_error=None, observation_text="", env_reward=0.0, done=True, termination="answered",
-            truncated=False, finish_reason="stop", prefix_shared=False, info=json.dumps({"answer": answer}),
-        ))
+        episode = f"{episode_prefix}{prompt.prompt_id}"
+        records.append(one_step_episode(EpisodeIdentity(episode, episode, prompt.prompt_id, 0, 0), context,
+                                        Generation(response, [0.0] * len(response), "stop"), text,
+                                        termination="answered", info={"answer": answer}))
     return records

@@ -23,12 +23,12 @@ from agent_core.envs.agent_program import ProgramJail, ProgramJob, ProgramOutcom
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.gateway.core import EpisodeCalls
 from agent_core.gateway.server import Gateway, GatewayLimits
-from agent_core.gateway.steps import EpisodeEnd, EpisodeIdentity, steps_from_calls
+from agent_core.gateway.steps import EpisodeEnd, steps_from_calls
 from agent_core.progress import report
 from agent_core.rollout.agent_loop import opening_anchor
 from agent_core.rollout.chat import encode_conversation
 from agent_core.rollout.engine import Engine, SamplingParams
-from agent_core.rollout.records import StepRecord, json_text
+from agent_core.rollout.records import EpisodeIdentity, StepRecord, one_step_episode
 from agent_core.types import Prompt
 
 log = logging.getLogger(__name__)
@@ -150,14 +150,6 @@ def _first_actions(engine: Engine, tokenizer, failed: list[tuple[EpisodeIdentity
     results = []
     for (identity, end), head, gen, text in zip(failed, heads, generations, texts):
         info = {"gateway": True, "gateway_calls": 0, "error": end.failure, **end.info}
-        results.append((identity, [StepRecord(
-            episode_id=identity.episode_id, group_id=identity.group_id, prompt_id=identity.prompt_id,
-            sample_idx=identity.sample_idx, step_idx=0,
-            policy_version=identity.policy_version if gen.policy_version is None else gen.policy_version,
-            prompt_ids=head, response_ids=list(gen.token_ids), response_logprobs=list(gen.logprobs),
-            response_text=text, tool_calls="[]", parse_error=None, observation_text="", env_reward=0.0, done=True,
-            termination="error", truncated=False, finish_reason=gen.finish_reason, prefix_shared=False,
-            info=json_text(info), served_by=gen.served_by, retries=gen.retries, anchor=opening_anchor(head),
-            history="start",
-        )]))
+        results.append((identity, [one_step_episode(identity, head, gen, text, termination="error", info=info,
+                                                    anchor=opening_anchor(head))]))
     return results

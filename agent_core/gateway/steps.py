@@ -26,20 +26,9 @@ from typing import Any
 from agent_core.gateway.core import EpisodeCalls, GatewayCall
 from agent_core.rollout.agent_loop import TRUNCATIONS, opening_anchor
 from agent_core.rollout.context import extends
-from agent_core.rollout.records import StepRecord, json_text
+from agent_core.rollout.records import EpisodeIdentity, StepRecord, json_text
 
 HISTORY_START, HISTORY_APPENDED, HISTORY_REWRITTEN = "start", "appended", "rewritten"
-
-
-@dataclass(frozen=True)
-class EpisodeIdentity:
-    """Where an episode belongs: the ids the agent loop would give it."""
-
-    episode_id: str
-    group_id: str
-    prompt_id: str
-    sample_idx: int
-    policy_version: int
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,8 @@ from agent_core.rollout.chat import encode_conversation
 from agent_core.rollout.context import ContextPolicy, EpisodeContext, extends, truncate_text
 from agent_core.rollout.engine import Generation, SamplingParams
 from agent_core.rollout.observation_encoder import ObservationEncoder
-from agent_core.rollout.records import StepRecord, json_text
+from agent_core.rollout.records import TRUNCATIONS, StepRecord, json_text
 from agent_core.types import ChatMessage, Prompt
-
-TRUNCATIONS = ("max_steps", "max_context")
 
 
 @dataclass(frozen=True)

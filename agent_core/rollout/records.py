@@ -1,5 +1,6 @@
-"""One row of the `steps` table as a typed container (one LLM call + the env's answer), the check
-of an env's answer, and the text helpers that make whatever an env returns storable in it."""
+"""One row of the `steps` table as a typed container (one LLM call + the env's answer), the one
+builder of a one-step episode (a driver's, the oracle's), the check of an env's answer, and the
+text helpers that make whatever an env returns storable in it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent_core.envs.base import TERMINATIONS, EnvStep, ToolCall
+from agent_core.rollout.engine import Generation
 from agent_core.types import ChatMessage
 
+TRUNCATIONS = ("max_steps", "max_context")  # the terminations that cut an episode off (StepRecord.truncated)
 _SURROGATES = re.compile("[\ud800-\udfff]")
 _MAX_JSON_DEPTH = 32
 _MAX_INT_BITS = 8192  # Python refuses to print ints of more than 4300 digits (~14,000 bits)
@@ -63,6 +66,36 @@ class StepRecord:
     generated_at: float = field(default_factory=time.time)
     anchor: str | None = None
     history: str | None = None
+
+
+@dataclass(frozen=True)
+class EpisodeIdentity:
+    """Where an episode belongs: the ids the agent loop gives it (`<prefix><prompt_id>-s<k>` in group
+    `<prefix><prompt_id>`) and the policy version that serves it unless a replica reports its own."""
+
+    episode_id: str
+    group_id: str
+    prompt_id: str
+    sample_idx: int
+    policy_version: int
+
+
+def one_step_episode(identity: EpisodeIdentity, prompt_ids: list[int], generation: Generation, response_text: str,
+                     *, termination: str, info: dict[str, Any], anchor: str | None = None) -> StepRecord:
+    """The only step of an episode that one generation ends (`termination`: answered, error, ...):
+    a program that failed before its first call, a naive-RAG demonstration, a plugin driver's episode."""
+    if termination not in TERMINATIONS:
+        raise ValueError(f"termination {termination!r} is not one of {', '.join(TERMINATIONS)}")
+    version = identity.policy_version if generation.policy_version is None else generation.policy_version
+    return StepRecord(
+        episode_id=identity.episode_id, group_id=identity.group_id, prompt_id=identity.prompt_id,
+        sample_idx=identity.sample_idx, step_idx=0, policy_version=version, prompt_ids=list(prompt_ids),
+        response_ids=list(generation.token_ids), response_logprobs=list(generation.logprobs),
+        response_text=response_text, tool_calls="[]", parse_error=None, observation_text="", env_reward=0.0,
+        done=True, termination=termination, truncated=termination in TRUNCATIONS,
+        finish_reason=generation.finish_reason, prefix_shared=False, info=json_text(info),
+        served_by=generation.served_by, retries=generation.retries, anchor=anchor, history="start",
+    )
 
 
 def storable_env_step(outcome: EnvStep) -> EnvStep:
