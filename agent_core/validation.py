@@ -37,8 +37,7 @@ from agent_core.audit.validate import audit_problems
 from agent_core.io.query import QueryError, check_episode_selection
 from agent_core.registry import Registry, UnknownNameError
 from agent_core.rewards.scorers import SCORERS
-from agent_core.rollout.engines import ENGINES
-from agent_core.rollout.vllm_server import VLLMNotInstalledError, vllm_python
+from agent_core.rollout.engines import ENGINES, engine_traits
 
 # `owner/name`, the shape of a Hugging Face Hub id
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -171,11 +170,10 @@ def check_runnable(config: PipelineConfig, source: str = "config", overrides: Se
         resolve_device(config.device)
     except DeviceError as error:
         problems.append(Problem("device", str(error)))
-    if config.rollout.engine == "vllm" and not config.cluster.replica_urls:
-        try:
-            vllm_python(config.rollout.vllm)
-        except VLLMNotInstalledError as error:
-            problems.append(Problem("rollout.engine", str(error)))
+    engine = config.rollout.engine
+    if engine in ENGINES and not config.cluster.replica_urls:  # external servers need nothing here
+        if (why := engine_traits(engine).unavailable(config.rollout)) is not None:
+            problems.append(Problem("rollout.engine", why))
     if problems:
         raise config_error(problems, source, overrides)
     return config
@@ -207,9 +205,11 @@ def _cluster_problems(config: PipelineConfig) -> list[Problem]:
     elif importlib.util.find_spec("ray") is None:
         problems.append(Problem("cluster.address", 'cluster.address is set but Ray is not installed: '
                                                    'pip install -e ".[ray]"'))
-    if cluster.replica_urls and config.rollout.engine != "vllm":
-        problems.append(Problem("cluster.replica_urls", "external replica servers are vLLM OpenAI-compatible servers: "
-                                                        f"set rollout.engine=vllm (it is {config.rollout.engine!r})"))
+    engine = config.rollout.engine
+    if cluster.replica_urls and engine in ENGINES and not engine_traits(engine).external_servers:
+        servers = ", ".join(n for n in ENGINES.names() if engine_traits(n).external_servers)
+        problems.append(Problem("cluster.replica_urls", f"engine {engine!r} cannot use external replica servers; "
+                                                        f"set rollout.engine to one that can: {servers}"))
     return problems
 
 

@@ -29,7 +29,7 @@ from agent_core.algos.estimator_core import ADVANTAGE_ESTIMATORS, AdvantageOutpu
 from agent_core.algos.losses import POLICY_LOSSES, ppo_clip_loss
 from agent_core.io.checkpoints import load_tokenizer
 from agent_core.rollout.engine import Generation
-from agent_core.rollout.engines import ENGINES
+from agent_core.rollout.engines import ENGINES, EngineTraits, register_engine
 
 
 class FixedReply:
@@ -45,6 +45,12 @@ class FixedReply:
 @ENGINES.register("fixed_reply")
 def fixed_reply(policy_dir, options):
     return FixedReply(load_tokenizer(Path(policy_dir)))
+
+
+@register_engine("needs_runtime", EngineTraits(concurrent_calls=lambda options: 3,
+                                               unavailable=lambda rollout: "the x runtime is not installed"))
+def needs_runtime(policy_dir, options):
+    raise RuntimeError("never built on this machine")
 
 
 class ConstantSettings(BaseModel):
@@ -130,3 +136,18 @@ def test_a_scoped_registry_forgets_what_was_registered_inside_and_keeps_the_rest
     assert things.names() == ["kept"] and "inside" not in things
     things.register("inside")(3)  # the name is free again, and registered without a settings model now
     assert things.settings_model("inside") is None and things.get("inside") == 3
+
+
+def test_an_engines_traits_decide_availability_and_router_concurrency(plugin):
+    from agent_core.rollout.engines import EngineOptions, router_concurrency
+    from agent_core.validation import check_runnable
+
+    base = {"plugins": ["my_algorithms"], "warm_start": {"enabled": False}}
+    config = build_config({**base, "rollout": {"engine": "needs_runtime"}})
+    with pytest.raises(ConfigError, match="rollout.engine.*the x runtime is not installed"):
+        check_runnable(config, policy_source=False)
+    check_runnable(build_config({**base, "rollout": {"engine": "fixed_reply"}}), policy_source=False)  # defaults
+    options = EngineOptions()
+    assert router_concurrency("needs_runtime", options, 2) == 6
+    assert router_concurrency("fixed_reply", options, 2) == router_concurrency("hf", options, 4) == 1
+    assert router_concurrency("vllm", options, 2) == 2 * options.vllm.max_concurrent_calls

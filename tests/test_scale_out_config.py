@@ -28,7 +28,8 @@ def test_a_cluster_address_must_be_local_auto_or_a_ray_url():
 @pytest.mark.parametrize("overrides, message", [
     ({"rollout_replicas": 2}, r"cluster.rollout_replicas=2 needs a cluster: set cluster.address"),
     ({"trainer_workers": 2}, r"cluster.trainer_workers=2 needs a cluster"),
-    ({"address": "local", "replica_urls": ["http://127.0.0.1:8000"]}, r"set rollout.engine=vllm \(it is 'hf'\)"),
+    ({"address": "local", "replica_urls": ["http://127.0.0.1:8000"]},
+     r"engine 'hf' cannot use external replica servers; set rollout.engine to one that can: vllm"),
 ])
 def test_a_cluster_section_that_cannot_work_fails_before_the_run(overrides, message):
     config = parse_config({"cluster": overrides})

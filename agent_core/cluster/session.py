@@ -12,6 +12,7 @@ import threading
 from agent_core.cluster.replicas import ReplicaPool, ReplicaSpec
 from agent_core.cluster.router import ReplicaRouter
 from agent_core.cluster.runtime import ClusterSpec, connect, disconnect
+from agent_core.rollout.engines import router_concurrency
 from agent_core.cluster.trainers import TrainerGroup, TrainerSpec
 from agent_core.training.iteration import TrainJob
 
@@ -34,8 +35,8 @@ def rollout_engine(cluster: ClusterSpec, spec: ReplicaSpec, policy_dir: str, ver
         else:
             _pool.sync(policy_dir, version)
         pool = _pool
-    concurrent = 1 if spec.engine == "hf" else spec.options.vllm.max_concurrent_calls * spec.size
-    return ReplicaRouter(pool, generate_timeout_s=generate_timeout_s, concurrent_calls=concurrent)
+    return ReplicaRouter(pool, generate_timeout_s=generate_timeout_s,
+                         concurrent_calls=router_concurrency(spec.engine, spec.options, spec.size))
 
 
 def train_on_cluster(cluster: ClusterSpec, spec: TrainerSpec, job: TrainJob):

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from agent_core.config import HFEngineConfig, VLLMConfig
+from agent_core.config import HFEngineConfig, RolloutConfig, VLLMConfig
 from agent_core.devices import resolve_device
 from agent_core.io.checkpoints import load_policy, load_tokenizer
 from agent_core.registry import Registry
@@ -45,6 +45,47 @@ class EngineOptions:
 EngineFactory = Callable[[Path, EngineOptions], Engine]
 ENGINES: Registry[EngineFactory] = Registry("engine")
 
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """What a run needs to know of an engine without building one.
+
+    concurrent_calls: generate calls one instance serves at once (1: one batch at a time; a router
+    over such replicas sends one call at a time and splits it; more: continuous batching, and a
+    router may keep that many in flight per replica). unavailable: why it cannot run on this machine
+    with the run's rollout section (one line), or None. external_servers: `cluster.replica_urls`
+    may name already running servers of it."""
+
+    concurrent_calls: Callable[[EngineOptions], int] = lambda options: 1
+    unavailable: Callable[[RolloutConfig], str | None] = lambda rollout: None
+    external_servers: bool = False
+
+
+_TRAITS: dict[str, EngineTraits] = {}  # engine name -> its traits, beside ENGINES
+
+
+def register_engine(name: str, traits: EngineTraits = EngineTraits()) -> Callable[[EngineFactory], EngineFactory]:
+    """`ENGINES.register(name)`, plus the engine's traits (an engine registered with
+    `ENGINES.register` alone gets the defaults: one call at a time, always available)."""
+    def decorator(factory: EngineFactory) -> EngineFactory:
+        ENGINES.register(name)(factory)
+        _TRAITS[name] = traits
+        return factory
+
+    return decorator
+
+
+def engine_traits(name: str) -> EngineTraits:
+    """The traits engine `name` was registered with (UnknownNameError for an unknown engine)."""
+    ENGINES.check(name)
+    return _TRAITS.get(name, EngineTraits())
+
+
+def router_concurrency(engine: str, options: EngineOptions, replicas: int) -> int:
+    """Generate calls a router over `replicas` replicas of `engine` keeps in flight (EngineTraits)."""
+    per_replica = engine_traits(engine).concurrent_calls(options)
+    return 1 if per_replica == 1 else per_replica * replicas
+
 # (checkpoint directory, device, dtype) -> a lease (.model, .tokenizer, .release()) on a module already in
 # memory whose parameters are in that dtype (the trainer's own, or its inference copy), or None; set only
 # inside `lending` (a run's resources), never left behind.
@@ -63,7 +104,7 @@ def lending(lender: Lender) -> Iterator[None]:
         _lender = previous
 
 
-@ENGINES.register("hf")
+@register_engine("hf")
 def _hf_engine(policy_dir: Path, options: EngineOptions) -> Engine:
     from agent_core.rollout.hf_engine import HFEngine  # transformers: imported only when an hf engine is built
     from agent_core.rollout.inference_copy import cast_parameters, inference_dtype
@@ -79,7 +120,18 @@ def _hf_engine(policy_dir: Path, options: EngineOptions) -> Engine:
                                max_batch_size=options.max_batch_size)
 
 
-@ENGINES.register("vllm")
+def _vllm_unavailable(rollout: RolloutConfig) -> str | None:
+    from agent_core.rollout.vllm_server import VLLMNotInstalledError, vllm_python
+
+    try:
+        vllm_python(rollout.vllm)
+    except VLLMNotInstalledError as error:
+        return str(error)
+    return None
+
+
+@register_engine("vllm", EngineTraits(concurrent_calls=lambda options: options.vllm.max_concurrent_calls,
+                                      unavailable=_vllm_unavailable, external_servers=True))
 def _vllm_engine(policy_dir: Path, options: EngineOptions) -> Engine:
     from agent_core.rollout.vllm_engine import VLLMEngine, pooled_server
 
