@@ -40,32 +40,40 @@ class Registry(Generic[T]):
         self.kind = kind
         self._items: dict[str, T] = {}
         self._settings: dict[str, Any] = {}
+        self._traits: dict[str, Any] = {}
 
-    def register(self, name: str, *, settings: Any = None) -> Callable[[T], T]:
-        """Register under `name`; `settings`: the model of the item's own settings (a pydantic model
-        class: `model_validate` of the config's options section builds the object the item gets)."""
+    def register(self, name: str, *, settings: Any = None, traits: Any = None) -> Callable[[T], T]:
+        """Register under `name`. settings: the model of the item's own settings (a pydantic model
+        class: `model_validate` of the config's options section builds the object the item gets).
+        traits: what callers must know of the item without building it (an env's `EnvTraits`, an
+        engine's `EngineTraits`), read back with `traits`."""
         def decorator(item: T) -> T:
             if name in self._items:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._items[name] = item
-            if settings is not None:
-                self._settings[name] = settings
+            for table, value in ((self._settings, settings), (self._traits, traits)):
+                if value is not None:
+                    table[name] = value
             return item
 
         return decorator
+
+    def traits(self, name: str, default: Any = None) -> Any:
+        """The traits `name` was registered with, else `default` (UnknownNameError for an unknown name)."""
+        self.get(name)
+        return self._traits.get(name, default)
 
     @contextmanager
     def scoped(self) -> Iterator[None]:
         """Registrations made inside the block are undone when it ends (a test's plugin, a notebook's
         experiment); what was registered before stays."""
-        items, settings = dict(self._items), dict(self._settings)
+        saved = [(table, dict(table)) for table in (self._items, self._settings, self._traits)]
         try:
             yield
         finally:
-            self._items.clear()
-            self._items.update(items)
-            self._settings.clear()
-            self._settings.update(settings)
+            for table, before in saved:
+                table.clear()
+                table.update(before)
 
     def settings_model(self, name: str) -> Any:
         """The settings model `name` was registered with; None if it takes no options."""

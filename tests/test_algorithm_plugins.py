@@ -29,7 +29,7 @@ from agent_core.algos.estimator_core import ADVANTAGE_ESTIMATORS, AdvantageOutpu
 from agent_core.algos.losses import POLICY_LOSSES, ppo_clip_loss
 from agent_core.io.checkpoints import load_tokenizer
 from agent_core.rollout.engine import Generation
-from agent_core.rollout.engines import ENGINES, EngineTraits, register_engine
+from agent_core.rollout.engines import ENGINES, EngineTraits
 
 
 class FixedReply:
@@ -47,8 +47,8 @@ def fixed_reply(policy_dir, options):
     return FixedReply(load_tokenizer(Path(policy_dir)))
 
 
-@register_engine("needs_runtime", EngineTraits(concurrent_calls=lambda options: 3,
-                                               unavailable=lambda rollout: "the x runtime is not installed"))
+@ENGINES.register("needs_runtime", traits=EngineTraits(concurrent_calls=lambda options: 3,
+                                                       unavailable=lambda rollout: "the x runtime is not installed"))
 def needs_runtime(policy_dir, options):
     raise RuntimeError("never built on this machine")
 

@@ -1,5 +1,5 @@
 """An env with a rollout driver of its own, added from one plugin file that touches no file of the
-project (issue 40): `register_env(..., driver=...)` plus `DRIVERS.register(...)`, then trained with
+project (issue 40): `ENVS.register(..., traits=EnvTraits(driver=...))` plus `DRIVERS.register(...)`, then trained with
 in a tiny run (`agentr1 train`, dev eval included) and refused at config load when its driver is
 not registered."""
 
@@ -23,17 +23,17 @@ from schemas import table_from_rows, validate
 # so rewards vary within a group and the update has a signal. Every step says which driver made it.
 PLUGIN = '''
 from agent_core.drivers import DRIVERS
-from agent_core.envs.registry import register_env
+from agent_core.envs.registry import ENVS, EnvTraits
 from agent_core.rollout.chat import encode_conversation, eos_token_ids
 from agent_core.rollout.records import EpisodeIdentity, one_step_episode
 
 
-@register_env("one_shot_guess", driver="one_shot")
+@ENVS.register("one_shot_guess", traits=EnvTraits(driver="one_shot"))
 def one_shot_guess(resources):
     raise ValueError("one_shot_guess is rolled out by its driver, never built")
 
 
-@register_env("orphan_env", driver="nobody_registered_this")
+@ENVS.register("orphan_env", traits=EnvTraits(driver="nobody_registered_this"))
 def orphan_env(resources):
     raise ValueError("never built")
 

@@ -1,7 +1,7 @@
-"""Rollout drivers by name: how an env's episodes are rolled out (docs/architecture.md, "Rollout drivers").
+"""Rollout drivers by name: how an env's episodes are rolled out (docs/architecture.md §4, "Where to add what").
 
 `roll_out` is the one entry point training, the warm start, eval and the benchmarks call; each env
-names its driver when registered (`agent_core.envs.registry.register_env`, default `agent_loop`).
+names its driver when registered (`ENVS.register(name, traits=EnvTraits(driver=...))`, default `agent_loop`).
 Importing this package registers the built-in drivers.
 """
 

@@ -34,25 +34,21 @@ class EnvResources:
 EnvFactory = Callable[..., AgentEnv]  # (resources: EnvResources, **kwargs) -> AgentEnv
 
 ENVS: Registry[EnvFactory] = Registry("env")
-LOOP_DRIVER = "agent_loop"  # the rollout driver of an env registered without one (agent_core/drivers)
-_DRIVER_OF: dict[str, str] = {}  # env name -> its rollout driver's name, beside ENVS
+LOOP_DRIVER = "agent_loop"  # the rollout driver of an env registered without traits (agent_core/drivers)
 
 
-def register_env(name: str, *, driver: str = LOOP_DRIVER) -> Callable[[EnvFactory], EnvFactory]:
-    """`ENVS.register(name)`, plus the rollout driver its episodes need (a name in
-    agent_core/drivers DRIVERS, checked at config load): the in-process agent loop by default."""
-    def decorator(factory: EnvFactory) -> EnvFactory:
-        ENVS.register(name)(factory)
-        _DRIVER_OF[name] = driver
-        return factory
+@dataclass(frozen=True)
+class EnvTraits:
+    """What a rollout must know of an env before building it: `driver`, the rollout driver its
+    episodes need (a name in agent_core/drivers DRIVERS, checked at config load).
+    `@ENVS.register(name, traits=EnvTraits(driver=...))`."""
 
-    return decorator
+    driver: str = LOOP_DRIVER
 
 
 def env_driver(name: str) -> str:
     """The rollout driver env `name` declared (UnknownNameError for an unknown env)."""
-    ENVS.check(name)
-    return _DRIVER_OF.get(name, LOOP_DRIVER)
+    return ENVS.traits(name, EnvTraits()).driver
 
 
 @ENVS.register("tool_env")
@@ -91,7 +87,7 @@ def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str
                    instructions=instructions)
 
 
-@register_env(ENV_NAME, driver=ENV_NAME)
+@ENVS.register(ENV_NAME, traits=EnvTraits(driver=ENV_NAME))
 def _make_agent_program(resources: EnvResources, *, command: Sequence[str] = (), timeout_s: float = 60.0,
                         max_parallel: int = 4, max_output_bytes: int = 1_000_000) -> AgentEnv:
     """Your own agent program, run once per episode against the gateway (agent_core/gateway,

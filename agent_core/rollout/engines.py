@@ -61,24 +61,10 @@ class EngineTraits:
     external_servers: bool = False
 
 
-_TRAITS: dict[str, EngineTraits] = {}  # engine name -> its traits, beside ENGINES
-
-
-def register_engine(name: str, traits: EngineTraits = EngineTraits()) -> Callable[[EngineFactory], EngineFactory]:
-    """`ENGINES.register(name)`, plus the engine's traits (an engine registered with
-    `ENGINES.register` alone gets the defaults: one call at a time, always available)."""
-    def decorator(factory: EngineFactory) -> EngineFactory:
-        ENGINES.register(name)(factory)
-        _TRAITS[name] = traits
-        return factory
-
-    return decorator
-
-
 def engine_traits(name: str) -> EngineTraits:
-    """The traits engine `name` was registered with (UnknownNameError for an unknown engine)."""
-    ENGINES.check(name)
-    return _TRAITS.get(name, EngineTraits())
+    """The traits engine `name` was registered with (`ENGINES.register(name, traits=...)`); the
+    defaults (one call at a time, always available) for one registered without."""
+    return ENGINES.traits(name, EngineTraits())
 
 
 def router_concurrency(engine: str, options: EngineOptions, replicas: int) -> int:
@@ -104,7 +90,7 @@ def lending(lender: Lender) -> Iterator[None]:
         _lender = previous
 
 
-@register_engine("hf")
+@ENGINES.register("hf")
 def _hf_engine(policy_dir: Path, options: EngineOptions) -> Engine:
     from agent_core.rollout.hf_engine import HFEngine  # transformers: imported only when an hf engine is built
     from agent_core.rollout.inference_copy import cast_parameters, inference_dtype
@@ -130,8 +116,8 @@ def _vllm_unavailable(rollout: RolloutConfig) -> str | None:
     return None
 
 
-@register_engine("vllm", EngineTraits(concurrent_calls=lambda options: options.vllm.max_concurrent_calls,
-                                      unavailable=_vllm_unavailable, external_servers=True))
+@ENGINES.register("vllm", traits=EngineTraits(concurrent_calls=lambda options: options.vllm.max_concurrent_calls,
+                                              unavailable=_vllm_unavailable, external_servers=True))
 def _vllm_engine(policy_dir: Path, options: EngineOptions) -> Engine:
     from agent_core.rollout.vllm_engine import VLLMEngine, pooled_server
 
