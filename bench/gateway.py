@@ -30,17 +30,14 @@ from pathlib import Path
 
 from agent_core.config import RolloutConfig
 from agent_core.data.rows import document_to_row
-from agent_core.envs.registry import EnvResources, make_env
-from agent_core.envs.search import shared_index
-from agent_core.envs.tool_env import ChatCapabilities
+from agent_core.envs.registry import make_env
 from agent_core.io.tables import write_table
-from agent_core.rollout.chat import template_supports_tool_role, template_supports_tools
 from agent_core.rollout.engines import ENGINES, close_engine
 from bench.common import Goal, Measurement, Progress, base_parser, parse_args, write_result
 from bench.rollout import RecordingEngine, median_round
 from bench.workload import POLICY_SIZES, rollout_config, save_policy_dir, synthetic_task, tiny_policy
 from agent_core.drivers import DataAccess, roll_out
-from agent_core.rollout.spec import env_for
+from agent_core.rollout.spec import env_for, env_resources
 from tasks._common import engine_options
 
 NAME = "gateway"
@@ -66,8 +63,7 @@ def arguments(argv: list[str] | None):
 def program_prompts(prompts, loop_records, cfg: RolloutConfig, documents, tokenizer) -> list:
     """The prompts as the program gets them: the loop env's opening conversation, and the
     observations sample 0 of the prompt saw in the loop (with the env's observation role)."""
-    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
-    resources = EnvResources(search_index=shared_index(documents), chat=chat)
+    resources = env_resources(tokenizer, documents)  # as the loop driver builds them
     seen: dict[str, list[str]] = {}
     for record in loop_records:
         if record.sample_idx == 0 and not record.done:

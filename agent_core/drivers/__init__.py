@@ -6,6 +6,6 @@ Importing this package registers the built-in drivers.
 """
 
 from agent_core.drivers.base import DRIVERS, DataAccess, RolloutDriver, RolloutRequest, roll_out
-from agent_core.drivers import loop as _loop, program as _program  # noqa: F401  (they register themselves)
+from agent_core.drivers import loop, program  # noqa: F401  (importing them registers the built-in drivers)
 
 __all__ = ["DRIVERS", "DataAccess", "RolloutDriver", "RolloutRequest", "roll_out"]

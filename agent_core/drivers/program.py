@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from agent_core.drivers.base import DRIVERS, RolloutRequest
 from agent_core.envs.agent_program import ENV_NAME, ProgramJail, ProgramSpec
-from agent_core.envs.tool_env import ChatCapabilities
-from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
+from agent_core.rollout.chat import eos_token_ids
 from agent_core.rollout.records import StepRecord
+from agent_core.rollout.spec import chat_capabilities
 from agent_core.types import Prompt
 
 
@@ -20,7 +20,7 @@ def program_driver(request: RolloutRequest, prompts: list[Prompt]) -> list[StepR
 
     access, spec, tokenizer = request.access, request.spec, request.tokenizer
     jail = None if access.private_root is None else ProgramJail.around([access.private_root], [access.corpus_path])
-    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
+    chat = chat_capabilities(tokenizer)
     by_program: dict[ProgramSpec, list[Prompt]] = {}
     for prompt in prompts:
         by_program.setdefault(ProgramSpec.from_env_kwargs(request.env_of(prompt)[1]), []).append(prompt)

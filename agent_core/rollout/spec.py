@@ -85,8 +85,12 @@ def env_for(prompt: Prompt, cfg: RolloutConfig) -> tuple[str, dict[str, Any]]:
     return name, kwargs
 
 
+def chat_capabilities(tokenizer) -> ChatCapabilities:
+    """What the policy's chat template can render (a tools list, a tool role)."""
+    return ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
+
+
 def env_resources(tokenizer, documents: Sequence[Document]) -> EnvResources:
     """The rollout's shared env resources: the corpus's search index (built once per corpus) and
     what the policy's chat template can render."""
-    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
-    return EnvResources(search_index=shared_index(list(documents)), chat=chat)
+    return EnvResources(search_index=shared_index(list(documents)), chat=chat_capabilities(tokenizer))
