@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from agent_core.cluster.placement import Placement
 from agent_core.config import PipelineConfig
 from agent_core.devices import resolve_device
 from agent_core.envs.search import clear_shared_indexes
@@ -56,8 +57,9 @@ class RunResources:
         self.config = config
         self.device_setting = config.device
         self.device: torch.device | None = None  # resolved on entry
+        self.placement = Placement(config.cluster, config.device)
         # One process trains and generates: the engine may borrow the trainer's module.
-        self.colocated = config.runtime.keep_policy_in_memory and config.cluster.address is None
+        self.colocated = self.placement.colocated(config.runtime.keep_policy_in_memory)
         self._stack: ExitStack | None = None
         self._copies: dict[torch.dtype, InferenceCopy] = {}  # the engines' bf16 copies of the policy (on CUDA)
 
@@ -99,7 +101,7 @@ class RunResources:
                 failures.append(failure)
 
         step("engines", engines.shutdown_engines)
-        if self.config.cluster.address is not None:
+        if self.placement.on_cluster:
             from agent_core.cluster.session import close_cluster  # Ray: imported only for a cluster run
 
             step("cluster", close_cluster)

@@ -38,6 +38,7 @@ from agent_core.io.query import QueryError, check_episode_selection
 from agent_core.registry import Registry, UnknownNameError
 from agent_core.rewards.scorers import SCORERS
 from agent_core.rollout.engines import ENGINES, engine_traits
+from agent_core.training.objectives import TRAINING_OBJECTIVES
 
 # `owner/name`, the shape of a Hugging Face Hub id
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -70,6 +71,9 @@ def check_names(config: PipelineConfig, source: str = "config", overrides: Seque
         *(_unknown("trainer.policy_loss", POLICY_LOSSES, config.trainer.policy_loss)
           or _options_problems("trainer.policy_loss_options", POLICY_LOSSES, config.trainer.policy_loss,
                                config.trainer.policy_loss_options)),
+        *(_unknown("trainer.objective", TRAINING_OBJECTIVES, config.trainer.objective)
+          or _options_problems("trainer.objective_options", TRAINING_OBJECTIVES, config.trainer.objective,
+                               config.trainer.objective_options)),
         *oracle_config_problems(config),  # the warm start's oracle fits the data and the env's tools
         *_select_sql_problems(config.warm_start.select_sql),
         *audit_problems(config.audit),

@@ -32,13 +32,12 @@ from agent_core.config import RolloutConfig
 from agent_core.data.rows import document_to_row
 from agent_core.envs.registry import make_env
 from agent_core.io.tables import write_table
-from agent_core.rollout.engines import ENGINES, close_engine
+from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 from bench.common import Goal, Measurement, Progress, base_parser, parse_args, write_result
 from bench.rollout import RecordingEngine, median_round
 from bench.workload import POLICY_SIZES, rollout_config, save_policy_dir, synthetic_task, tiny_policy
 from agent_core.drivers import DataAccess, roll_out
 from agent_core.rollout.spec import env_for, env_resources
-from tasks._common import engine_options
 
 NAME = "gateway"
 TITLE = "Gateway: an agent program through the OpenAI-compatible gateway vs the in-process agent loop"
@@ -122,7 +121,7 @@ def measure(args, progress: Progress) -> Measurement:
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         policy_dir = save_policy_dir(model, tokenizer, Path(tmp) / "policy")
         corpus = str(write_table("corpus", [document_to_row(d) for d in task.documents], Path(tmp) / "corpus.parquet"))
-        engine = ENGINES.get("hf")(policy_dir, engine_options(loop_cfg))
+        engine = ENGINES.get("hf")(policy_dir, EngineOptions.from_rollout(loop_cfg))
         try:
             progress("warm-up: one episode of each")
             warm = argparse.Namespace(**{**vars(args), "prompts": 1, "group_size": 1, "max_steps": 1})

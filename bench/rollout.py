@@ -40,13 +40,12 @@ from pathlib import Path
 
 from agent_core.rollout.agent_loop import RolloutTimings
 from agent_core.rollout.engine import concurrent_calls
-from agent_core.rollout.engines import ENGINES, close_engine, shutdown_engines
+from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine, shutdown_engines
 from bench.common import Goal, Measurement, Progress, base_parser, parse_args, skipped_measurement, write_result
 from bench.workload import (
     POLICY_SIZES, rollout_config, save_policy_dir, synthetic_task, tiny_policy,
 )
 from agent_core.drivers import roll_out
-from tasks._common import engine_options
 
 NAME = "rollout"
 TITLE = "Rollout: agent loop vs raw engine"
@@ -169,7 +168,7 @@ def measure_engine(name: str, policy_dir: Path, tokenizer, task, args, progress:
     cfg = rollout_config(group_size=args.group_size, max_steps=args.max_steps, **sizes)
     progress(f"{name}: starting the engine")
     try:
-        engine = ENGINES.get(name)(policy_dir, engine_options(cfg))
+        engine = ENGINES.get(name)(policy_dir, EngineOptions.from_rollout(cfg))
     except Exception as error:  # a missing venv / server that does not start: record why, do not crash
         hint = " (run `make vllm` first)" if "NotInstalled" in type(error).__name__ else ""
         return skipped_measurement(name, GOAL, f"could not start the {name} engine{hint}: "

@@ -33,6 +33,7 @@ from agent_core.envs.registry import ENVS
 from agent_core.registry import Registry
 from agent_core.rewards.scorers import SCORERS
 from agent_core.rollout.engines import ENGINES
+from agent_core.training.objectives import TRAINING_OBJECTIVES
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 COMMAND = "python -m flows.config_reference"
@@ -47,6 +48,7 @@ REGISTERED: dict[str, Registry[Any]] = {
     "algorithm.kl_estimator": KL_ESTIMATORS,
     "trainer.loss_agg_mode": LOSS_AGG_MODES,
     "trainer.policy_loss": POLICY_LOSSES,
+    "trainer.objective": TRAINING_OBJECTIVES,
 }
 
 # Keys of a mapping or a list of models: the model's keys are documented under `<key>.<name>.` / `<key>[].`

@@ -1,6 +1,6 @@
 """What the stage tasks share: the task decorator, a logger that works in and out of a run, the
 resume check (io/manifests.py); and the helpers more than one stage uses (a prepared dataset's
-tables, the rollout engine, reward labelling of a steps table). Stage modules never import each
+tables, reward labelling of a steps table). Stage modules never import each
 other, only this module, so a stage can change without reaching into another."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import dataclasses
 import logging
 import os
 import sys
-from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,15 +19,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 
-from agent_core.config import ClusterConfig, RewardConfig, RolloutConfig
+from agent_core.config import RewardConfig
 from agent_core.data.rows import prompts_from_table, row_to_document
 from agent_core.failpoints import failpoint
-from agent_core.plugins import loaded_plugins
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, write_table
 from agent_core.progress import BarReporter, LogReporter, reporting_to
 from agent_core.rewards.labelling import RewardRecord, StepOutcome, label_steps
-from agent_core.rollout.engines import ENGINES, EngineOptions
 from agent_core.types import Document, Prompt
 
 # Stages skip or redo work by their manifests (`completed_outputs`), not through Prefect's result
@@ -120,43 +117,6 @@ def split_prompts(dataset: DatasetUris, split: str, limit: int | None = None) ->
         raise ValueError(f"{dataset.prompts_uri}: no prompts with split {split!r}; "
                          f"splits there: {', '.join(sorted(set(splits)))}")
     return prompts_from_table("dataset_prompts", table.take(chosen[:limit]), dataset.prompts_uri)
-
-
-# ---- rollout: the config's envs and engine (the rollout stage, the warm start's oracle episodes) ----
-
-
-def engine_options(cfg: RolloutConfig, device: str = "auto") -> EngineOptions:
-    return EngineOptions(max_batch_size=cfg.max_batch_size, max_model_len=cfg.max_context_tokens,
-                         vllm=cfg.vllm, hf=cfg.hf, device=device)
-
-
-def on_cluster(cluster: ClusterConfig | None) -> bool:
-    """Whether the run's work goes to Ray (docs/scale-out.md); unset address = this process."""
-    return cluster is not None and cluster.address is not None
-
-
-def rollout_engine(cfg: RolloutConfig, cluster: ClusterConfig | None, policy_dir: str, policy_version: int,
-                   device: str = "auto"):
-    """The rollout's engine: in-process from the registry (its model on `device`, the run's setting),
-    or a router over the cluster's replicas, all serving `policy_dir` as `policy_version` before the
-    first call (each replica places its engine by its own GPUs: cluster.replica_gpus)."""
-    if not on_cluster(cluster):
-        return ENGINES.get(cfg.engine)(Path(policy_dir), engine_options(cfg, device))
-    from agent_core.cluster.replicas import ReplicaSpec
-    from agent_core.cluster.session import rollout_engine as replica_router
-
-    spec = ReplicaSpec(engine=cfg.engine, options=engine_options(cfg), count=cluster.rollout_replicas,
-                       urls=cluster.replica_urls, cpus=cluster.replica_cpus, gpus=cluster.replica_gpus,
-                       threads=max(1, int(cluster.replica_cpus)), plugins=loaded_plugins(),
-                       sync_timeout_s=cluster.sync_timeout_s, start_timeout_s=cfg.vllm.startup_timeout_s + 120)
-    return replica_router(cluster_spec(cluster), spec, policy_dir, policy_version,
-                          generate_timeout_s=cluster.generate_timeout_s)
-
-
-def cluster_spec(cluster: ClusterConfig):
-    from agent_core.cluster.runtime import ClusterSpec
-
-    return ClusterSpec(cluster.address, cluster.num_cpus, cluster.num_gpus)
 
 
 # ---- reward labelling of a steps table (label_rewards, the warm start's oracle episodes) ----------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from agent_core.cluster.placement import Placement
 from agent_core.config import ClusterConfig, RolloutConfig
 from agent_core.data.rows import prompts_from_table
 from agent_core.drivers import DataAccess, roll_out
@@ -12,9 +13,8 @@ from agent_core.io.checkpoints import check_checkpoint, load_tokenizer
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, rows_of, write_table
-from agent_core.rollout.engines import close_engine
 from agent_core.rollout.spec import env_for
-from tasks._common import completed_outputs, read_corpus, rollout_engine, stage_logger, stage_progress, stage_task
+from tasks._common import completed_outputs, read_corpus, stage_logger, stage_progress, stage_task
 
 
 @stage_task(name="rollout")
@@ -45,14 +45,11 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     check_checkpoint(Path(policy_dir))
     documents = read_corpus(corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
-    engine = rollout_engine(cfg, cluster, policy_dir, version, device)
-    try:
-        with stage_progress("rollout", f"rollout iteration {iteration}", "episodes"):
-            records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
-                               policy_version=version, episode_prefix=f"{run.run_id}-i{iteration}-",
-                               access=DataAccess(corpus_uri, str(run.data_root)))
-    finally:
-        close_engine(engine)
+    with (Placement(cluster, device).rollout_engine(cfg, policy_dir, version) as engine,
+          stage_progress("rollout", f"rollout iteration {iteration}", "episodes")):
+        records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
+                           policy_version=version, episode_prefix=f"{run.run_id}-i{iteration}-",
+                           access=DataAccess(corpus_uri, str(run.data_root)))
     rows = rows_of(records, run_id=run.run_id, iteration=iteration)  # shallow: asdict deep-copies every token list
     uri = write_table("steps", rows, run.table_uri(iteration, "steps"))
     record.commit({"steps": uri}, metrics={"seconds": time.perf_counter() - started})

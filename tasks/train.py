@@ -43,18 +43,18 @@ import time
 import torch
 
 from agent_core.algos.estimator_core import estimator_uses_critic
+from agent_core.cluster.placement import Placement
 from agent_core.config import (AlgorithmConfig, ClusterConfig, CriticConfig, PolicyLoraConfig, RuntimeConfig,
                                TrainerConfig)
-from agent_core.devices import resolve_device
 from agent_core.io import background
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, table_exists, write_table
-from agent_core.training.iteration import Optimization, TrainJob, run_training
+from agent_core.training.iteration import Optimization, TrainJob
 from agent_core.training.precision import resolve_precision
 from agent_core.training.safety import nonfinite_streaks
 from agent_core.training.settings import PPOSettings
-from tasks._common import cluster_spec, completed_outputs, on_cluster, stage_logger, stage_progress, stage_task
+from tasks._common import completed_outputs, stage_logger, stage_progress, stage_task
 
 
 class StaleStepsError(ValueError):
@@ -130,40 +130,14 @@ def _result_settings(cfg: TrainerConfig, device: torch.device, critic: CriticCon
     background writes), so turning them on or off reruns nothing (and runs recorded before they existed
     still resume). The critic's settings and max_staleness keep their names from before they moved to
     their own sections, so a run recorded then resumes without retraining. The precision is the one
-    used on `device` ("auto" on the CPU is "fp32", as runs before "auto" recorded)."""
-    settings = cfg.model_dump(mode="json", exclude={"activation_checkpointing"})
+    used on `device` ("auto" on the CPU is "fp32", as runs before "auto" recorded); the training
+    objective only when it is not the built-in ppo (runs recorded before objectives were named)."""
+    exclude = {"activation_checkpointing"}
+    if cfg.objective == "ppo" and not cfg.objective_options:
+        exclude |= {"objective", "objective_options"}
+    settings = cfg.model_dump(mode="json", exclude=exclude)
     return {**settings, "critic_lr": critic.lr, "value_clip": critic.value_clip,
             "max_staleness": runtime.max_staleness, "precision": resolve_precision(cfg.precision, device)}
-
-
-def _in_process(cluster: ClusterConfig | None) -> bool:
-    """Whether training runs in this process (else on data-parallel Ray workers)."""
-    return not on_cluster(cluster) or cluster.trainer_workers == 1 and cluster.worker_gpus == 0
-
-
-def _training_device(cluster: ClusterConfig | None, device: str) -> torch.device:
-    """Where the policy trains: the run's device in this process; a data-parallel worker's own
-    (a GPU when cluster.worker_gpus > 0)."""
-    if _in_process(cluster):
-        return resolve_device(device)
-    return torch.device("cuda" if cluster.worker_gpus > 0 and device != "cpu" else "cpu")
-
-
-def _job_device(cluster: ClusterConfig | None, device: str) -> str:
-    """The device setting a job carries: the run's in this process; for a worker, cpu or auto (its
-    own GPU when Ray gave it one: an index of this machine means nothing there)."""
-    return device if _in_process(cluster) or device == "cpu" else "auto"
-
-
-def _run_job(job: TrainJob, cluster: ClusterConfig | None):
-    if _in_process(cluster):
-        return run_training(job)
-    from agent_core.cluster.session import train_on_cluster
-    from agent_core.cluster.trainers import TrainerSpec
-
-    spec = TrainerSpec(workers=cluster.trainer_workers, cpus=cluster.worker_cpus, gpus=cluster.worker_gpus,
-                       threads=max(1, int(cluster.worker_cpus)))
-    return train_on_cluster(cluster_spec(cluster), spec, job)
 
 
 @stage_task(name="train")
@@ -184,22 +158,23 @@ def train_policy(run: RunLayout, iteration: int, steps_uri: str, advantages_uri:
     log = stage_logger("train")
     background.wait()  # the previous iteration's optimizer state and manifest: inputs and resume state of this one
     uses_critic = estimator_uses_critic(algorithm.estimator)
+    placement = Placement(cluster, device)
     record = StageRecord(run.manifest_path("train", iteration), "train", inputs=_train_inputs(
         run, iteration, steps_uri, advantages_uri, policy_dir, uses_critic), params={
-        "trainer": _result_settings(cfg, _training_device(cluster, device), critic, runtime), "algorithm": algorithm,
+        "trainer": _result_settings(cfg, placement.training_device(), critic, runtime), "algorithm": algorithm,
         "temperature": temperature, "total_steps": total_steps, "iteration": iteration, **({"lora": lora} if lora else {})})
     if (done := completed_outputs(record, resume, f"iteration {iteration} training")) is not None:
         return done["checkpoint"]
     lag = check_staleness(steps_uri, iteration, runtime.max_staleness)
     job = train_job(run, iteration, steps_uri, advantages_uri, policy_dir, cfg, algorithm, temperature, total_steps,
                     critic=critic, keep_in_memory=runtime.keep_policy_in_memory,
-                    background_save=runtime.background_save and _in_process(cluster),
-                    device=_job_device(cluster, device))
+                    background_save=runtime.background_save and placement.trains_in_process,
+                    device=placement.job_device())
     if lora is not None:
         job = dataclasses.replace(job, lora=lora)
     started_at = time.time()
     with stage_progress("train", f"train iteration {iteration}", "micro-batches"):
-        results, rows_trained = _run_job(job, cluster)
+        results, rows_trained = placement.train(job)
     finished_at = time.time()
     rows = [{"run_id": run.run_id, "iteration": iteration, "update_idx": i,
              **{k: (None if k == "vf_loss" and math.isnan(v) else v) for k, v in dataclasses.asdict(r).items()},

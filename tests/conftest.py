@@ -68,9 +68,10 @@ def _registries() -> list:
     from agent_core.eval.methods import EVAL_METHODS
     from agent_core.rewards.scorers import SCORERS
     from agent_core.rollout.engines import ENGINES
+    from agent_core.training.objectives import TRAINING_OBJECTIVES
 
     return [ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, DRIVERS, FORMATS, ENVS, TOOLS,
-            EVAL_METHODS, SCORERS, ENGINES]
+            EVAL_METHODS, SCORERS, ENGINES, TRAINING_OBJECTIVES]
 
 
 def pytest_unconfigure(config):

@@ -13,10 +13,9 @@ import pytest
 
 from agent_core.algos.estimator_core import ADVANTAGE_ESTIMATORS
 from agent_core.config_errors import ConfigError
-from agent_core.io.layout import DataRoot
 from agent_core.io.tables import read_table
 from agent_core.validation import build_config
-from flows.cli import main as cli_main
+from plugin_runs import train_tiny, write_plugin
 
 PLUGIN = '''
 import json
@@ -81,20 +80,14 @@ def scaled_ppo(logprobs, old_logprobs, advantages, loss_mask, *, options, **kwar
 
 @pytest.fixture()
 def plugin(user_folder):
-    (user_folder / "my_algorithms.py").write_text(PLUGIN)
-    return user_folder
+    return write_plugin(user_folder, "my_algorithms", PLUGIN)
 
 
 def test_an_engine_estimator_and_loss_with_their_own_settings_train_from_a_plugin_file(plugin, tmp_path):
-    root, record = tmp_path / "data", tmp_path / "loss_calls.jsonl"
-    assert cli_main([
-        "train", "--config", "tiny", "--run-id", "a", "--data-root", str(root), "--set", "iterations=1",
-        "--set", "dev_eval.every=0", "--set", "plugins=[my_algorithms]", "--set", "rollout.engine=fixed_reply",
-        "--set", "algorithm.estimator=constant", "--set", "algorithm.estimator_options={value: 0.25}",
-        "--set", "trainer.policy_loss=scaled_ppo",
-        "--set", f"trainer.policy_loss_options={{scale: 3.0, record_to: '{record}'}}",
-    ]) == 0
-    run = DataRoot(root).run("a")
+    record = tmp_path / "loss_calls.jsonl"
+    run = train_tiny(tmp_path / "data", "my_algorithms", "dev_eval.every=0", "rollout.engine=fixed_reply",
+                     "algorithm.estimator=constant", "algorithm.estimator_options={value: 0.25}",
+                     "trainer.policy_loss=scaled_ppo", f"trainer.policy_loss_options={{scale: 3.0, record_to: '{record}'}}")
     steps = read_table("steps", run.table_uri(0, "steps")).to_pylist()
     assert steps and {s["response_text"] for s in steps} == {"<answer>Paris</answer>"}  # the plugin's engine
     advantages = read_table("advantages", run.table_uri(0, "advantages")).to_pylist()

@@ -12,11 +12,11 @@ import math
 import pytest
 
 from agent_core.config_errors import ConfigError
-from agent_core.io.layout import DataRoot
 from agent_core.io.tables import read_table
 from agent_core.rollout.engine import Generation
 from agent_core.rollout.records import EpisodeIdentity, one_step_episode
 from flows.cli import main as cli_main
+from plugin_runs import train_tiny, write_plugin
 from schemas import table_from_rows, validate
 
 # One generation per episode; the answer is the gold one when the first sampled token id is even,
@@ -57,15 +57,11 @@ def one_shot(request, prompts):
 
 @pytest.fixture()
 def plugin_dir(user_folder):
-    (user_folder / "one_shot_driver.py").write_text(PLUGIN)
-    return user_folder
+    return write_plugin(user_folder, "one_shot_driver", PLUGIN)
 
 
 def test_an_env_with_its_own_driver_trains_from_a_plugin_file(plugin_dir, tmp_path):
-    root = tmp_path / "data"
-    assert cli_main(["train", "--config", "tiny", "--run-id", "p", "--data-root", str(root), "--set", "iterations=1",
-                     "--set", "plugins=[one_shot_driver]", "--set", "rollout.env=one_shot_guess"]) == 0
-    run = DataRoot(root).run("p")
+    run = train_tiny(tmp_path / "data", "one_shot_driver", "rollout.env=one_shot_guess")
     steps = read_table("steps", run.table_uri(0, "steps")).to_pylist()
     assert steps and {json.loads(s["info"])["driver"] for s in steps} == {"one_shot"}  # the loop never ran them
     assert len(steps) == 3 * 2  # tiny: 3 prompts x group_size 2, one step each

@@ -25,7 +25,7 @@ from agent_core.training.safety import (
 )
 from agent_core.training.trainer import UpdateResult, make_optimizer, ppo_update, train_iteration
 from schemas import TableValidationError
-import agent_core.training.iteration
+import agent_core.training.trainer
 from tasks.train import train_policy
 from test_schemas import steps_rows
 from test_trainer import ITERATION, PAD, UPDATE, full_steps, parameters, random_steps, tiny_llama
@@ -231,13 +231,13 @@ def test_a_finite_run_saves_its_checkpoint_and_metrics(tmp_path, policy_dir):
 def test_a_stray_non_finite_update_is_skipped_recorded_and_the_run_goes_on(tmp_path, policy_dir, monkeypatch):
     """The tables forbid nan/inf, so a bad value past them (e.g. a bug in an estimator) is simulated
     on the training sequences: its mini-batch is skipped, the other one trains."""
-    real = agent_core.training.iteration.train_iteration
+    real = agent_core.training.trainer.train_iteration  # what the "ppo" objective calls
 
     def with_a_bad_advantage(model, optimizer, sequences, settings, **kwargs):
         return real(model, optimizer, [_poison(sequences[0], "advantages", math.nan), *sequences[1:]], settings,
                     **kwargs)
 
-    monkeypatch.setattr(agent_core.training.iteration, "train_iteration", with_a_bad_advantage)
+    monkeypatch.setattr(agent_core.training.trainer, "train_iteration", with_a_bad_advantage)
     run = _run_with_tables(tmp_path)
     _train(run, policy_dir, mini_batches=2)
     assert run.checkpoint_dir(0).is_dir()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from agent_core.config import PipelineConfig
+from agent_core.training.objectives import TRAINING_OBJECTIVES
 from agent_core.training.settings import PPOSettings
 
 # PPOSettings field -> the config key it mirrors, and a valid non-default value of that key.
@@ -20,6 +21,8 @@ MIRRORED: dict[str, tuple[str, Any]] = {
     "clip_high": ("trainer.clip_high", 0.3),
     "dual_clip": ("trainer.dual_clip", 3.0),
     "policy_loss": ("trainer.policy_loss", "gspo"),
+    "objective": ("trainer.objective", "second"),
+    "objective_options": ("trainer.objective_options", {"steps": 2}),
     "entropy_coef": ("trainer.entropy_coef", 0.01),
     "kl_coef": ("algorithm.kl_coef", 0.05),
     "kl_estimator": ("algorithm.kl_estimator", "k1"),
@@ -41,6 +44,14 @@ NOT_IN_CONFIG = {"vf_coef", "norm_length"}
 BUILT = {"policy_loss_options"}
 # Defaults that legitimately differ from the config's; PPOSettings' docstring explains each.
 LIBRARY_DEFAULTS = {"mini_batches": 1, "micro_batch_tokens": 4096, "precision": "fp32"}
+
+
+@pytest.fixture(autouse=True)
+def _a_second_objective():
+    """trainer.objective has one built-in; a second name lets the key take a non-default value."""
+    with TRAINING_OBJECTIVES.scoped():
+        TRAINING_OBJECTIVES.register("second")(lambda *args, **kwargs: [])
+        yield
 
 
 def _config_value(config: PipelineConfig, key: str) -> Any:

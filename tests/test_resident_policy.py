@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import agent_core.training.iteration as iteration
+import agent_core.training.trainer as trainer_module
 from agent_core.config import AlgorithmConfig, RuntimeConfig, TrainerConfig
 from agent_core.io import background
 from agent_core.io.checkpoints import load_policy, save_policy
@@ -194,7 +195,7 @@ def test_a_changed_input_or_setting_or_a_failure_reloads_from_disk(tmp_path, pol
         settings = {"lr": 2e-2}
     else:  # the kept model is changed in place, then refused: it must not be used again
         with monkeypatch.context() as patch:
-            patch.setattr(iteration, "train_iteration", _poisoning(iteration.train_iteration))
+            patch.setattr(trainer_module, "train_iteration", _poisoning(trainer_module.train_iteration))  # the "ppo" objective's
             with pytest.raises(NonFiniteTrainingError, match="non-finite parameters"):
                 _train(run, 1, first, "grpo", keep=True)
         assert resident.held(resident.POLICY) is None

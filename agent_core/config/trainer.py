@@ -41,6 +41,12 @@ class TrainerConfig(_Section):
     policy_loss_options: dict[str, Any] = Field(default_factory=dict, description="the policy loss's own settings, "
                                                 "checked by the settings model it was registered with (the built-in "
                                                 "losses have none: their settings are the keys above)")
+    objective: str = Field("ppo", description="a registered training objective: what an iteration's update does with "
+                           "its sequences (agent_core/training/objectives.py; ppo: the clipped policy gradient, with "
+                           "the critic when the estimator uses one)")
+    objective_options: dict[str, Any] = Field(default_factory=dict, description="the training objective's own "
+                                              "settings, checked by the settings model it was registered with (ppo "
+                                              "has none: its settings are the keys of this section)")
     epochs: int = Field(1, ge=1, description="passes over an iteration's data")
     mini_batches: int = Field(2, ge=1, description="optimizer steps per epoch")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(

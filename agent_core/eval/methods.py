@@ -96,7 +96,8 @@ class EvalSettings:
     def rollout_config(self) -> RolloutConfig:
         """The rollout section the agent methods run with: the run's, with this object's budgets."""
         budgets = {"max_new_tokens": self.max_new_tokens, "max_steps": self.max_steps,
-                   "max_context_tokens": self.max_context_tokens}
+                   "max_context_tokens": self.max_context_tokens, "engine": self.engine,
+                   "max_batch_size": self.max_batch_size, "vllm": self.vllm}
         if self.rollout is not None:
             return self.rollout.model_copy(update=budgets)
         kwargs = {"top_k": self.top_k, "tool_format": self.tool_format, "instructions": self.instructions}
@@ -219,11 +220,9 @@ def _with_policy(episodes_fn) -> EvalMethod:
         from agent_core.io.checkpoints import load_tokenizer
         from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 
-        factory = ENGINES.get(settings.engine)
+        rollout = settings.rollout_config()
         tokenizer = load_tokenizer(Path(policy_dir))
-        options = EngineOptions(max_batch_size=settings.max_batch_size, max_model_len=settings.max_context_tokens,
-                                vllm=settings.vllm, hf=settings.rollout_config().hf, device=settings.device)
-        engine = factory(Path(policy_dir), options)
+        engine = ENGINES.get(rollout.engine)(Path(policy_dir), EngineOptions.from_rollout(rollout, settings.device))
         try:
             return episodes_fn(engine, tokenizer, list(prompts), list(documents), settings)
         finally:

@@ -41,6 +41,12 @@ class EngineOptions:
     hf: HFEngineConfig = field(default_factory=HFEngineConfig)
     device: str = "auto"
 
+    @classmethod
+    def from_rollout(cls, rollout: RolloutConfig, device: str = "auto") -> "EngineOptions":
+        """The options a rollout section asks of its engine (training's rollout, eval's, a benchmark's)."""
+        return cls(max_batch_size=rollout.max_batch_size, max_model_len=rollout.max_context_tokens,
+                   vllm=rollout.vllm, hf=rollout.hf, device=device)
+
 
 EngineFactory = Callable[[Path, EngineOptions], Engine]
 ENGINES: Registry[EngineFactory] = Registry("engine")

@@ -42,7 +42,8 @@ from agent_core.training.lora import has_lora, inject_lora
 from agent_core.training.schedule import make_lr_scheduler, optimizer_step_count
 from agent_core.training.settings import PPOSettings
 from agent_core.training.safety import check_nonfinite_updates, check_savable, probe_logprobs
-from agent_core.training.trainer import UpdateResult, make_optimizer, train_iteration
+from agent_core.training.objectives import TRAINING_OBJECTIVES
+from agent_core.training.trainer import UpdateResult, make_optimizer
 
 _ADVANTAGE_FIELDS = ("advantages", "ref_logprobs", "values", "returns", "obs_advantages", "obs_returns", "obs_values")
 _TRAIN_STEP_FIELDS = [field.name for field in dataclasses.fields(TrainStep)]
@@ -182,8 +183,11 @@ def run_training(job: TrainJob, dp: DataParallel | None = None) -> tuple[list[Up
         modes.append(resident.training_modes(critic))
     else:
         resident.forget(resident.CRITIC)  # one kept by a job with a critic is never read now
-    results = train_iteration(model, optimizer, sequences, job.settings, pad_id=tokenizer.pad_token_id, critic=critic,
-                              critic_optimizer=critic_optimizer, scheduler=scheduler, seed=job.iteration, dp=dp)
+    objective, options = job.settings.objective, job.settings.objective_options
+    results = TRAINING_OBJECTIVES.get(objective)(
+        model, optimizer, sequences, job.settings, options=TRAINING_OBJECTIVES.settings(objective, options),
+        pad_id=tokenizer.pad_token_id, critic=critic, critic_optimizer=critic_optimizer, scheduler=scheduler,
+        seed=job.iteration, dp=dp)
     check_nonfinite_updates(results, iteration=job.iteration, max_consecutive=job.max_consecutive_nonfinite,
                             carried=job.carried_nonfinite)
     check_savable(model.named_parameters(), iteration=job.iteration, probe_logprobs=probe_logprobs(

@@ -9,7 +9,8 @@ for runs but a test needs: no gradient clipping (max_grad_norm None), an unclipp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent_core.algos.losses import POLICY_LOSSES
@@ -33,6 +34,9 @@ class PPOSettings:
     policy_loss: the registered policy loss (``agent_core.algos.losses.POLICY_LOSSES``);
     policy_loss_options: its own settings object (trainer.policy_loss_options through the settings
     model it was registered with; None for one without).
+    objective, objective_options: the registered training objective
+    (``agent_core.training.objectives.TRAINING_OBJECTIVES``) and the options its settings model builds
+    its settings object from (where it trains: agent_core/training/iteration.py).
     entropy_coef, kl_coef, kl_estimator: the entropy bonus and the KL-to-reference loss term.
     value_clip, vf_coef: the critic's clipped value loss and its weight (None: unclipped).
     max_grad_norm: gradient clipping (None: none). micro_batch_tokens: padded tokens per
@@ -56,6 +60,8 @@ class PPOSettings:
     dual_clip: float | None = None
     policy_loss: str = "ppo_clip"
     policy_loss_options: Any = None
+    objective: str = "ppo"
+    objective_options: Mapping[str, Any] = field(default_factory=dict)
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -85,6 +91,7 @@ class PPOSettings:
             epochs=trainer.epochs, mini_batches=trainer.mini_batches, clip_low=trainer.clip_low,
             clip_high=trainer.clip_high, dual_clip=trainer.dual_clip, policy_loss=trainer.policy_loss,
             policy_loss_options=POLICY_LOSSES.settings(trainer.policy_loss, trainer.policy_loss_options),
+            objective=trainer.objective, objective_options=dict(trainer.objective_options),
             entropy_coef=trainer.entropy_coef, kl_coef=0.0 if algorithm.kl_in_reward else algorithm.kl_coef,
             kl_estimator=algorithm.kl_estimator, value_clip=critic.value_clip, max_grad_norm=trainer.max_grad_norm,
             micro_batch_tokens=trainer.micro_batch_tokens, max_logit_elements=trainer.micro_batch_logits,
