@@ -1,39 +1,18 @@
-"""The run's device memory and process-level resources, owned by one object for the length of a run.
+"""The run's placement, device memory and process-level resources, owned by one object for a run.
 
-A training run in one process holds, besides its files: the trained policy, critic and optimizers
-kept between iterations (agent_core/training/resident.py), warm engine processes (vLLM servers,
-agent_core/rollout/engines.py), the background writer thread (agent_core/io/background.py), a Ray
-session with its replicas and workers when `cluster.address` is set (agent_core/cluster/session.py),
-and the BM25 indexes shared by rollouts (agent_core/envs/search.py). `RunResources` is the one place
-that sets them up and frees them; the flow opens it once (`with RunResources(config) as resources:`).
-
-Placement and colocation, on entry: `device` is the run's `device` setting resolved once
-(agent_core/devices.py), and the string the stages pass on (`resources.device_setting`). With
-runtime.keep_policy_in_memory and training in this process, hf engines borrow the trainer's resident
-policy (`engines.lending(resident.lend)`): one copy of the weights on the device, no reload per
-rollout; the module generates in eval mode without autograd and goes back to the trainer as it came.
-Where the engine samples in another dtype than the trainer keeps (bf16 on CUDA, rollout.hf.dtype), it
-gets the run's inference copy of the policy instead, refreshed from the resident module before each
-rollout (agent_core/rollout/inference_copy.py); the copy is freed with the resident policy.
-
-Between rollout and training, `after_rollout` hands cached device memory back (the engine's KV
-cache is garbage once it is closed), so the trainer's micro-batches get it.
-
-On exit, in this order, whether the block ended normally or by an exception:
-1. engines: pooled vLLM servers stop (their device memory first, it is the largest);
-2. the cluster: replicas, training workers, a local Ray (only when cluster.address is set);
-3. the background writer: its queue finishes (its last job may hold the policy in memory again),
-   then its thread stops;
-4. the resident policy, critic and optimizers, and the engines' lender, are dropped;
-5. the shared BM25 indexes are dropped; then the CUDA allocator's cache is emptied (on CUDA).
-Each step runs even if one before it failed; the first failure is raised after them, unless the
-block is already raising (then it is logged).
+`RunResources` sets up, on entry, the run's device and `placement` (with its cluster session on a
+cluster run) and, when one process trains and generates, the engines' loan of the trainer's resident
+policy (or of its inference copy in the engine's dtype); it frees, on exit, normal or not and each
+step even if one before failed: the pooled engines, the cluster, the background writer (its queue
+first), the resident policy and the lender, the shared BM25 indexes, then the CUDA cache.
+Design notes: docs/architecture.md §11 (agent_core/run_resources.py).
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -57,9 +36,11 @@ class RunResources:
         self.config = config
         self.device_setting = config.device
         self.device: torch.device | None = None  # resolved on entry
-        self.placement = Placement(config.cluster, config.device)
+        where = Placement(config.cluster, config.device)
+        # What the stages get: the run's placement, with the run's cluster session when it has a cluster.
+        self.placement = replace(where, session=where.new_session()) if where.on_cluster else where
         # One process trains and generates: the engine may borrow the trainer's module.
-        self.colocated = self.placement.colocated(config.runtime.keep_policy_in_memory)
+        self.colocated = where.colocated(config.runtime.keep_policy_in_memory)
         self._stack: ExitStack | None = None
         self._copies: dict[torch.dtype, InferenceCopy] = {}  # the engines' bf16 copies of the policy (on CUDA)
 
@@ -101,10 +82,8 @@ class RunResources:
                 failures.append(failure)
 
         step("engines", engines.shutdown_engines)
-        if self.placement.on_cluster:
-            from agent_core.cluster.session import close_cluster  # Ray: imported only for a cluster run
-
-            step("cluster", close_cluster)
+        if self.placement.session is not None:
+            step("cluster", self.placement.session.close)
         step("background writer", background.close)  # before forgetting: its last job may keep the policy
         step("resident policy", self._drop_resident)
         step("search indexes", clear_shared_indexes)

@@ -128,7 +128,7 @@ def _train(run: RunLayout, config: PipelineConfig, resources: RunResources) -> T
             break
         prompts = prepare_data(run, k, dataset, config.data, config.seed)
         steps = rollout(run, k, prompts, dataset.corpus_uri, policy_dir, config.rollout, config.seed,
-                        policy_version=version, cluster=config.cluster, device=device)
+                        policy_version=version, placement=resources.placement)
         resources.after_rollout()  # the engine's memory goes back to the device before scoring and training
         if training is not None:  # iteration k-1 trained while this rollout ran; its critic is read next
             policy_dir, version = _finish_iteration(run, k - 1, training.result(), dataset, config, eval_settings,
@@ -139,13 +139,13 @@ def _train(run: RunLayout, config: PipelineConfig, resources: RunResources) -> T
         train_args = (run, k, steps, advantages, policy_dir, config.trainer, config.algorithm,
                       config.rollout.temperature, total_steps)
         if overlap:  # the next rollout starts now, with policy_dir (this training's result comes later)
-            training = train_policy.submit(*train_args, cluster=config.cluster, device=device,
-                                           lora=config.policy.lora, critic=config.critic, runtime=config.runtime)
+            training = train_policy.submit(*train_args, placement=resources.placement, lora=config.policy.lora,
+                                           critic=config.critic, runtime=config.runtime)
         else:
-            policy_dir, version = _finish_iteration(run, k, train_policy(*train_args, cluster=config.cluster,
-                                                                         device=device, lora=config.policy.lora,
-                                                                         critic=config.critic, runtime=config.runtime),
-                                                    dataset, config, eval_settings, tracking, reports, audits)
+            checkpoint = train_policy(*train_args, placement=resources.placement, lora=config.policy.lora,
+                                      critic=config.critic, runtime=config.runtime)
+            policy_dir, version = _finish_iteration(run, k, checkpoint, dataset, config, eval_settings, tracking,
+                                                    reports, audits)
     if training is not None:
         policy_dir, version = _finish_iteration(run, config.iterations - 1, training.result(), dataset, config,
                                                 eval_settings, tracking, reports, audits)

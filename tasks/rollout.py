@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from agent_core.cluster.placement import Placement
-from agent_core.config import ClusterConfig, RolloutConfig
+from agent_core.config import RolloutConfig
 from agent_core.data.rows import prompts_from_table
 from agent_core.drivers import DataAccess, roll_out
 from agent_core.io.checkpoints import check_checkpoint, load_tokenizer
@@ -20,14 +20,13 @@ from tasks._common import completed_outputs, read_corpus, stage_logger, stage_pr
 @stage_task(name="rollout")
 def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, policy_dir: str,
             cfg: RolloutConfig, seed: int, resume: bool = True, policy_version: int | None = None,
-            cluster: ClusterConfig | None = None, device: str = "auto") -> str:
+            placement: Placement = Placement()) -> str:
     """Episodes of the iteration's prompts with the policy at `policy_dir`; the steps table's URI.
 
     policy_version: the version `policy_dir` holds (default: `iteration`, on-policy; one less when
-    this rollout overlaps the previous iteration's training). cluster: where the engine runs
-    (unset address: in this process); it does not change what is sampled, so it is not a setting
-    the stage's manifest compares. device: where an in-process hf engine's model lives (the run's
-    `device` setting; neither is it compared: placement does not change what is asked for).
+    this rollout overlaps the previous iteration's training). placement: where the engine runs (the
+    run's, `RunResources.placement`: this process on its device, or the cluster's replicas); it does
+    not change what is sampled, so it is not a setting the stage's manifest compares.
     """
     log = stage_logger("rollout")
     version = iteration if policy_version is None else policy_version
@@ -45,7 +44,7 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
     check_checkpoint(Path(policy_dir))
     documents = read_corpus(corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
-    with (Placement(cluster, device).rollout_engine(cfg, policy_dir, version) as engine,
+    with (placement.rollout_engine(cfg, policy_dir, version) as engine,
           stage_progress("rollout", f"rollout iteration {iteration}", "episodes")):
         records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
                            policy_version=version, episode_prefix=f"{run.run_id}-i{iteration}-",

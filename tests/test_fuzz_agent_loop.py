@@ -30,12 +30,12 @@ import pytest
 from agent_core.data.synthetic import generate_synthetic_qa
 from agent_core.envs.registry import EnvResources, make_env
 from agent_core.envs.search import Bm25Index
-from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.io.tables import write_table
 from agent_core.rollout.agent_loop import LoopSettings, run_episodes
-from agent_core.rollout.chat import eos_token_ids, template_supports_tool_role, template_supports_tools
+from agent_core.rollout.chat import eos_token_ids
 from agent_core.rollout.context import ContextPolicy
 from agent_core.rollout.engine import Generation, SamplingParams
+from agent_core.rollout.spec import chat_capabilities
 from agent_core.training.model import build_tokenizer
 
 MIN_OUTPUTS = 10_000
@@ -215,7 +215,7 @@ def task():
     dataset = generate_synthetic_qa(seed=5, num_films=20, num_people=16, num_cities=6, num_countries=4)
     texts = [d.text for d in dataset.documents] + [m.content for p in dataset.prompts for m in p.messages]
     tokenizer = build_tokenizer(texts, vocab_size=400)
-    chat = ChatCapabilities(template_supports_tools(tokenizer), template_supports_tool_role(tokenizer))
+    chat = chat_capabilities(tokenizer)
     return dataset, tokenizer, EnvResources(search_index=Bm25Index(dataset.documents), chat=chat)
 
 

@@ -62,12 +62,13 @@ def imitate(policy, policy_optimizer, sequences, settings, *, options, pad_id, c
 '''
 
 
-@pytest.fixture()
-def plugin(user_folder):
-    return write_plugin(user_folder, "my_objective", PLUGIN)
+@pytest.fixture(autouse=True)
+def my_objective(user_folder):
+    """Every test here runs in the user's folder, beside the plugin (undone after it)."""
+    write_plugin(user_folder, "my_objective", PLUGIN)
 
 
-def test_a_training_objective_with_its_own_setting_trains_from_a_plugin_file(plugin, tmp_path):
+def test_a_training_objective_with_its_own_setting_trains_from_a_plugin_file(tmp_path):
     record = tmp_path / "objective_calls.jsonl"
     run = train_tiny(tmp_path / "data", "my_objective", "dev_eval.every=0", "warm_start.enabled=false",
                      "trainer.objective=imitate", "trainer.lr=0.01",
@@ -83,7 +84,7 @@ def test_a_training_objective_with_its_own_setting_trains_from_a_plugin_file(plu
     assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
 
 
-def test_an_unknown_objective_or_options_that_do_not_fit_are_refused_at_config_load(plugin):
+def test_an_unknown_objective_or_options_that_do_not_fit_are_refused_at_config_load():
     base = {"plugins": ["my_objective"], "warm_start": {"enabled": False}}
     with pytest.raises(ConfigError, match=r"trainer\.objective.*'imitat'.*imitate.*ppo"):
         build_config({**base, "trainer": {"objective": "imitat"}})

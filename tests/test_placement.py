@@ -58,3 +58,37 @@ def test_the_in_process_engine_gets_the_rollout_sections_options_and_is_closed_o
     assert policy_dir == tmp_path and closed == [True]
     assert options == EngineOptions.from_rollout(rollout, "cpu")
     assert (options.max_batch_size, options.max_model_len, options.device) == (7, 321, "cpu")
+
+
+def test_the_runs_session_is_used_and_left_open_a_stage_alone_opens_and_closes_its_own(monkeypatch):
+    import agent_core.cluster.session as session
+
+    seen: list = []
+    monkeypatch.setattr(session.ClusterSession, "train", lambda self, spec, job: seen.append((id(self), spec.workers)))
+    monkeypatch.setattr(session.ClusterSession, "close", lambda self: seen.append(("close", id(self))))
+    alone = Placement(DATA_PARALLEL)
+    alone.train(job=None)
+    (opened, workers), closed = seen
+    assert workers == 2 and closed == ("close", opened)  # its own session, closed after the stage
+    seen.clear()
+    runs = alone.new_session()
+    placement = Placement(DATA_PARALLEL, session=runs)
+    placement.train(job=None)
+    placement.train(job=None)
+    assert seen == [(id(runs), 2), (id(runs), 2)]  # the run's session, twice, never closed by a stage
+    assert placement == alone  # the session is not part of where the work runs
+
+
+def test_a_run_on_a_cluster_gives_its_stages_one_session_and_closes_it(monkeypatch):
+    import agent_core.cluster.session as session
+    from agent_core.config import PipelineConfig
+    from agent_core.run_resources import RunResources
+
+    closed: list = []
+    monkeypatch.setattr(session.ClusterSession, "close", lambda self: closed.append(self))
+    with RunResources(PipelineConfig(cluster={"address": "local"})) as resources:
+        run_session = resources.placement.session
+        assert run_session is not None and resources.placement.on_cluster
+    assert closed == [run_session]
+    with RunResources(PipelineConfig()) as resources:
+        assert resources.placement.session is None and not resources.placement.on_cluster

@@ -37,7 +37,7 @@ def calls(monkeypatch) -> list[str]:
     """What the exit freed, in order (engines and the cluster counted rather than started)."""
     seen: list[str] = []
     monkeypatch.setattr(engines, "shutdown_engines", lambda: seen.append("engines"))
-    monkeypatch.setattr(session, "close_cluster", lambda: seen.append("cluster"))
+    monkeypatch.setattr(session.ClusterSession, "close", lambda self: seen.append("cluster"))
     real_close, real_forget, real_clear = background.close, resident.forget, run_resources.clear_shared_indexes
     monkeypatch.setattr(background, "close", lambda: (seen.append("writer"), real_close())[1])
     monkeypatch.setattr(resident, "forget", lambda role=None: (seen.append("resident"), real_forget(role))[1])

@@ -2,15 +2,18 @@
 
 One `Placement` per run answers every "in this process?" question (the rollout engine, training,
 colocation of the two) and builds the rollout engine either way, so stages read the same with or
-without a cluster (docs/scale-out.md). Ray is imported only when the cluster is used.
+without a cluster (docs/scale-out.md). The run's `RunResources` makes it, with the run's cluster
+session (its replicas and workers, kept between stages); a placement without one (a stage run on its
+own) opens a session for the stage. Ray is imported only when the cluster is used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,14 +24,20 @@ from agent_core.rollout.engine import Engine
 from agent_core.rollout.engines import ENGINES, EngineOptions, close_engine
 from agent_core.training.iteration import TrainJob, run_training
 
+if TYPE_CHECKING:
+    from agent_core.cluster.session import ClusterSession
+
 
 @dataclass(frozen=True)
 class Placement:
     """cluster: the run's cluster section (None or an unset address: everything in this process).
-    device: the run's `device` setting, resolved where a model loads (agent_core/devices.py)."""
+    device: the run's `device` setting, resolved where a model loads (agent_core/devices.py).
+    session: the run's cluster session (`new_session`, owned and closed by RunResources); None: each
+    stage that needs the cluster opens and closes its own."""
 
     cluster: ClusterConfig | None = None
     device: str = "auto"
+    session: ClusterSession | None = field(default=None, compare=False, repr=False)
 
     @property
     def on_cluster(self) -> bool:
@@ -51,6 +60,12 @@ class Placement:
             return resolve_device(self.device)
         return torch.device("cuda" if self.cluster.worker_gpus > 0 and self.device != "cpu" else "cpu")
 
+    def new_session(self) -> ClusterSession:
+        """A session on this placement's cluster (nothing starts until a stage uses it)."""
+        from agent_core.cluster.session import ClusterSession
+
+        return ClusterSession(self._cluster_spec())
+
     def job_device(self) -> str:
         """The device setting a training job carries: the run's here; for a worker, cpu or auto (its
         own GPU when Ray gave it one: an index of this machine means nothing there)."""
@@ -60,28 +75,39 @@ class Placement:
     def rollout_engine(self, rollout: RolloutConfig, policy_dir: str, version: int) -> Iterator[Engine]:
         """The rollout's engine, closed on exit: in-process from the registry, or a router over the
         cluster's replicas, all serving `policy_dir` as `version` before the first call."""
-        engine = self._router(rollout, policy_dir, version) if self.on_cluster else \
-            ENGINES.get(rollout.engine)(Path(policy_dir), EngineOptions.from_rollout(rollout, self.device))
-        try:
-            yield engine
-        finally:
-            close_engine(engine)
+        with ExitStack() as stack:
+            if self.on_cluster:
+                engine = self._router(stack.enter_context(self._session()), rollout, policy_dir, version)
+            else:
+                engine = ENGINES.get(rollout.engine)(Path(policy_dir), EngineOptions.from_rollout(rollout, self.device))
+            try:
+                yield engine
+            finally:
+                close_engine(engine)
 
     def train(self, job: TrainJob):
         """Run `job` here, or on the cluster's data-parallel workers (started once per run); the outcome."""
         if self.trains_in_process:
             return run_training(job)
-        from agent_core.cluster.session import train_on_cluster
         from agent_core.cluster.trainers import TrainerSpec
 
         cluster = self.cluster
         spec = TrainerSpec(workers=cluster.trainer_workers, cpus=cluster.worker_cpus, gpus=cluster.worker_gpus,
                            threads=max(1, int(cluster.worker_cpus)))
-        return train_on_cluster(self._cluster_spec(), spec, job)
+        with self._session() as session:
+            return session.train(spec, job)
 
-    def _router(self, rollout: RolloutConfig, policy_dir: str, version: int):
+    @contextmanager
+    def _session(self) -> Iterator[ClusterSession]:
+        """The run's session, or one for this stage alone (closed after it)."""
+        if self.session is not None:
+            yield self.session
+            return
+        with self.new_session() as session:
+            yield session
+
+    def _router(self, session: ClusterSession, rollout: RolloutConfig, policy_dir: str, version: int):
         from agent_core.cluster.replicas import ReplicaSpec
-        from agent_core.cluster.session import rollout_engine as replica_router
 
         cluster = self.cluster  # each replica places its engine by its own GPUs (cluster.replica_gpus)
         spec = ReplicaSpec(engine=rollout.engine, options=EngineOptions.from_rollout(rollout),
@@ -89,8 +115,7 @@ class Placement:
                            gpus=cluster.replica_gpus, threads=max(1, int(cluster.replica_cpus)),
                            plugins=loaded_plugins(), sync_timeout_s=cluster.sync_timeout_s,
                            start_timeout_s=rollout.vllm.startup_timeout_s + 120)
-        return replica_router(self._cluster_spec(), spec, policy_dir, version,
-                              generate_timeout_s=cluster.generate_timeout_s)
+        return session.rollout_engine(spec, policy_dir, version, generate_timeout_s=cluster.generate_timeout_s)
 
     def _cluster_spec(self):
         from agent_core.cluster.runtime import ClusterSpec

@@ -14,6 +14,7 @@ this package does not import), so a typo never survives to the middle of a run.
 
 from __future__ import annotations
 
+from agent_core.config._base import Section
 from agent_core.config.algorithm import AlgorithmConfig
 from agent_core.config.audit import BOUND_KEYS, AuditConfig, CheckBounds, UserCheck
 from agent_core.config.cluster import ClusterConfig
@@ -35,7 +36,8 @@ from agent_core.config_errors import ConfigError  # re-exported: callers catch i
 __all__ = [
     "AlgorithmConfig", "AuditConfig", "BOUND_KEYS", "CheckBounds", "ClusterConfig", "ConfigError", "CostConfig",
     "CriticConfig", "DataConfig", "DevEvalConfig", "HFEngineConfig", "MOVED_KEYS", "PipelineConfig", "PolicyConfig",
-    "PolicyLoraConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "TrackingConfig", "TrainerConfig", "UserCheck",
+    "PolicyLoraConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "Section", "TrackingConfig", "TrainerConfig",
+    "UserCheck",
     "VLLMConfig",
     "WarmStartConfig", "apply_overrides", "parse_config",
 ]

@@ -8,11 +8,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, PlainValidator
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A config section (the experiment definition's too): frozen, unknown keys refused, floats finite."""
+
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
-def _int_or_auto(minimum: int) -> PlainValidator:
+def int_or_auto(minimum: int) -> PlainValidator:
     """An integer >= minimum or "auto", with one message (a plain union would give two)."""
     def check(value: Any) -> int | str:
         if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):

@@ -6,10 +6,10 @@ from typing import Any
 
 from pydantic import Field
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     """Estimator, masks (docs/architecture.md §3; what each does: agent_core/algos/masks.py) and the KL term."""
 
     estimator: str = Field("grpo", description="advantage estimator (agent_core/algos); gae and step_gae train a "

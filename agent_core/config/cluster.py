@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
-class ClusterConfig(_Section):
+class ClusterConfig(Section):
     """Where the work runs (docs/scale-out.md). address unset: everything in this process (no Ray);
     `local`: start a Ray cluster here with num_cpus / num_gpus; `auto` or `ray://host:port`: join one."""
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
-class CriticConfig(_Section):
+class CriticConfig(Section):
     """The critic's own optimizer and value loss (its weight decay is trainer.weight_decay, shared
     with the policy's optimizer). Estimators without values ignore this section."""
 

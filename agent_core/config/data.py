@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """The prompts and the corpus: the built-in synthetic multi-hop QA task (generated
     deterministically from `seed`), or a real dataset read from its native files.
 

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
-class DevEvalConfig(_Section):
+class DevEvalConfig(Section):
     """Held-out evaluation while training: the policy answers the first `prompts` prompts of `split`
     (greedy, one episode each, with the rollout's budgets and tool format) before RL and after every
     `every`-th iteration; the EM goes into the iteration summary and MLflow (metric dev_em)."""

@@ -8,7 +8,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 from agent_core.config.algorithm import AlgorithmConfig
 from agent_core.config.audit import AuditConfig
 from agent_core.config.cluster import ClusterConfig
@@ -26,7 +26,7 @@ from agent_core.config.warm_start import WarmStartConfig
 from agent_core.plugins import PluginError, load_plugins
 
 
-class PipelineConfig(_Section):
+class PipelineConfig(Section):
     """A whole run: its id, plugins, where its files go, the device, how many RL iterations, the run's
     seed, and one section per stage."""
 

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
-class PolicyLoraConfig(_Section):
+class PolicyLoraConfig(Section):
     """LoRA adapters (peft) on the policy: only they train; the reference is the same module with
     them disabled; a checkpoint is the adapter plus the base model's path (agent_core/training/lora.py)."""
 
@@ -22,7 +22,7 @@ class PolicyLoraConfig(_Section):
         "projections; add gate_proj, up_proj, down_proj for the MLP too")
 
 
-class PolicyConfig(_Section):
+class PolicyConfig(Section):
     """Where the initial policy comes from.
 
     tiny: a Llama-architecture model built from scratch with a BPE tokenizer trained on the task's

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     """The scorer, and how process and outcome rewards combine into the reward trained on (done once,
     at labelling: agent_core/rewards/combine.py)."""
 

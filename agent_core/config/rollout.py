@@ -6,10 +6,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
-class VLLMConfig(_Section):
+class VLLMConfig(Section):
     """How the vLLM engine's server runs (rollout.engine: vllm; `make vllm` installs it). The rollout
     layer takes this object as it is (EngineOptions.vllm, agent_core/rollout/vllm_server.py): frozen and
     hashable, so it also keys the pool of kept servers."""
@@ -54,7 +54,7 @@ class VLLMConfig(_Section):
         return self
 
 
-class HFEngineConfig(_Section):
+class HFEngineConfig(Section):
     """How the in-process engine (rollout.engine: hf, transformers `generate`) samples
     (agent_core/rollout/hf_engine.py)."""
 
@@ -73,7 +73,7 @@ class HFEngineConfig(_Section):
         "back to dynamic with a warning")
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """How episodes are generated: the engine, group size, per-episode budgets, sampling and the env
     (agent_core/rollout; loop settings and sampling come from agent_core/rollout/spec.py)."""
 

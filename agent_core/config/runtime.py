@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
-class RuntimeConfig(_Section):
+class RuntimeConfig(Section):
     """Overlap and caching between stages: how stale a trained step may be, whether the trained
     policy stays in memory, whether the optimizer state is written in the background."""
 

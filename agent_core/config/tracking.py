@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     """MLflow tracking: where runs are logged, the experiment, and the registered model each
     iteration's checkpoint becomes a version of (tasks/track.py)."""
 

@@ -6,10 +6,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from agent_core.config._base import _int_or_auto, _Section
+from agent_core.config._base import int_or_auto, Section
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     """The policy update: optimizer, learning-rate schedule, PPO clipping and loss, micro-batching and
     memory (agent_core/training). The critic's optimizer is the `critic:` section; how the trained
     policy is kept between iterations, `runtime:`."""
@@ -26,11 +26,11 @@ class TrainerConfig(_Section):
                                 "and the entropy gets no gradient)")
     max_grad_norm: float = Field(1.0, gt=0, description="clip the global L2 norm of the gradients to this before "
                                  "each optimizer step")
-    micro_batch_tokens: Annotated[int | Literal["auto"], _int_or_auto(64)] = Field(
+    micro_batch_tokens: Annotated[int | Literal["auto"], int_or_auto(64)] = Field(
         "auto", description="padded tokens per micro-batch; auto: 8192 on the CPU, on CUDA from the device's free "
         "memory and the model's shape (agent_core/training/memory.py); a micro-batch that runs out of memory is split"
     )
-    micro_batch_logits: Annotated[int | Literal["auto"], _int_or_auto(2**16)] = Field(
+    micro_batch_logits: Annotated[int | Literal["auto"], int_or_auto(2**16)] = Field(
         "auto", description="cap on tokens x vocab per micro-batch (its fp32 logits and their copies bound memory); "
         "auto: 2**26 on the CPU, none on CUDA (the memory-based budget counts the logits)"
     )

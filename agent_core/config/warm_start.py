@@ -6,13 +6,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from agent_core.config._base import _Section
+from agent_core.config._base import Section
 
 
 _SOLVED_EPISODES = "select episode_id from rewards where em = 1"
 
 
-class WarmStartConfig(_Section):
+class WarmStartConfig(Section):
     """Supervised warm start before RL: imitate selected episodes (agent_core/training/sft.py).
 
     On by default: a from-scratch policy produces no reward at all without it. source oracle: a

@@ -18,17 +18,15 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from agent_core.config import Section
 
 BASELINES = ("naive_rag", "base_tool_call")
 BASELINE_TITLES = {"naive_rag": "Naive RAG", "base_tool_call": "Base Tool Call"}
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class ArmConfig(_Section):
+class ArmConfig(Section):
     """One trained arm: pipeline config files layered on the experiment's base (paths relative to
     the experiment file), e.g. an algorithm or a mask ablation."""
 
@@ -39,7 +37,7 @@ class ArmConfig(_Section):
     ablation_of: str | None = Field(None, description="the arm this one ablates: expected to score below it")
 
 
-class ExperimentConfig(_Section):
+class ExperimentConfig(Section):
     name: str = Field("paper-cpu", pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
     base_configs: list[str] = Field(description="pipeline configs shared by every arm (relative to this file)")
     base_overrides: list[str] = Field(default_factory=list)
