@@ -1,19 +1,10 @@
 """Failpoints: named places where a crash is most telling, for testing that a run survives one.
 
-Each durable write and each long-running stage passes through `failpoint("<name>")` (e.g.
-`write_table:steps:temp_written`, after a table's temporary file is flushed and before the rename
-that publishes it). Normally this does nothing but read one environment variable. With
-
-    AGENTR1_FAILPOINT=<name>[@<n>][=hang]
-
-the process kills itself with SIGKILL the n-th time (default: the first) it reaches `<name>`: no
-exception handler, `finally` block or atexit hook runs, exactly as under the OOM killer or a lost
-machine. With `=hang` the thread that reached it blocks forever instead (a process that stops
-answering: what a timeout must catch). With `AGENTR1_FAILPOINT_TRACE=<file>` every failpoint reached is appended to the file, one
-name per line (the kill-and-resume test takes its kill points from the trace of a clean run).
-
-Like gofail (etcd) or fail-rs (TiKV), the hooks live in the product so tests crash the real code
-paths, not a copy of them.
+Each durable write and each long-running stage passes through `failpoint("<name>")`, which normally only
+reads one environment variable. With `AGENTR1_FAILPOINT=<name>[@<n>][=hang]` the process kills itself with
+SIGKILL the n-th time (default: the first) it reaches `<name>`, or with `=hang` that thread blocks forever.
+`AGENTR1_FAILPOINT_TRACE=<file>` appends every failpoint reached to the file, one name per line.
+Design notes: docs/architecture.md §11 (agent_core/failpoints.py).
 """
 
 from __future__ import annotations

@@ -370,7 +370,7 @@ def test_a_serial_engine_with_fast_tools_gets_every_ready_episode_in_one_call(ta
 
 @pytest.mark.parametrize("slots", [1, 3])
 def test_a_one_call_engine_generates_on_the_calling_thread_and_a_concurrent_one_on_pool_threads(task, slots):
-    """A second thread would give an in-process torch engine its own OpenMP team (module docstring)."""
+    """A second thread would give an in-process torch engine its own OpenMP team (docs/architecture.md §11, agent_core/rollout/agent_loop.py)."""
     threads: set[str] = set()
     engine = TimedEngine(task[1], slots=slots, on_call=lambda number: threads.add(threading.current_thread().name))
     _run_tools(task, engine, lambda pid, step: time.sleep(0.01), prompts=3, max_steps=2)

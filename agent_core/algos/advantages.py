@@ -1,20 +1,10 @@
 """Outcome / Monte-Carlo advantage estimators, registered by name, each ``fn(inputs) -> output``.
 
-Input, output and the mask convention: ``agent_core.algos.estimator_core``. The critic-based
-``gae`` and ``step_gae`` live in ``agent_core.algos.estimators_critic``; the package's
-``__init__`` imports both modules, so every built-in estimator is registered:
-
-- ``grpo``: group-normalized episode score (Shao et al. 2024, DeepSeekMath; with
-  ``norm_by_std=False`` the Dr.GRPO variant of Liu et al. 2025);
-- ``rloo``: leave-one-out baseline (Ahmadian et al. 2024);
-- ``reinforce_pp``: discounted return-to-go, batch-whitened (REINFORCE++, Hu 2025,
-  arXiv 2501.03262);
-- ``reinforce_pp_baseline``: episode score minus its group mean, batch-whitened (REINFORCE++
-  with a baseline, as in verl's ``reinforce_plus_plus_baseline``).
-
-Where this differs from the papers: outcome-style estimators (grpo, rloo, reinforce_pp_baseline)
-score an episode by the undiscounted sum of its masked token rewards, so process rewards count
-towards the score; a group of one gets advantage 0 under grpo / rloo (``estimator_core`` says why).
+``grpo`` (Dr.GRPO with ``norm_by_std=False``), ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline``. Inputs,
+outputs: ``agent_core.algos.estimator_core``; ``gae`` / ``step_gae``: ``agent_core.algos.estimators_critic``.
+Differs from the papers: grpo, rloo and reinforce_pp_baseline score an episode by the undiscounted sum of its
+masked token rewards (process rewards count); a group of one gets advantage 0 under grpo / rloo.
+Design notes: docs/architecture.md §11 (agent_core/algos/advantages.py).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """The episode token grid that advantage estimators run on, and the way back to steps.
 
-Row e is episode e's packed row (``agent_core.episodes.pack_steps``): column t holds token t of
-the episode's sequence, the same alignment as a training row and a critic's output, so nothing is
-shifted between the stages. The first prompt's columns are in no mask; after them:
-
-- append-only episode (every step's prompt extends the previous prompt + response,
-  docs/architecture.md §2): step 0's response, its observation (the next prompt's new suffix:
-  tool output and chat glue), step 1's response, ... , the last step's response. Observation
-  columns exist, so the advantage-mask-off ablation (docs/architecture.md §3) can run the
-  recursion through them and the loss-mask-off ablation can give them advantages to train with.
-- any other episode (e.g. a last_k context window): the responses only, concatenated. Such an
-  episode has no observation columns, so its mask-off and mask-on grids are the same: both mask
-  ablations act on append-only episodes only (a windowed episode trains as with the masks on,
-  except that whitening statistics see whatever the other episodes add).
-
-Each step's reward sits on its LAST ACTION token (the decision it rewards ended there). A step
-with an empty response has no token of its own: its reward goes to the last action token before
-it, and a non-zero reward with no action token before it is an error.
-
-To run a critic on the grid, use ``agent_core.algos.step_advantages.score_on_grid``: it runs
-an append-only episode once on ``layout.row_context(e)`` (the row itself) and any other episode
-once per step on that step's own prompt + response, so every value comes from the context the
-policy saw.
+Row e is episode e's packed row (``agent_core.episodes.pack_steps``), aligned with a training row and a
+critic's output. An append-only episode has observation columns between responses; others (e.g. last_k) only
+have responses, so mask ablations act on append-only episodes only. A step's reward sits on its LAST ACTION
+token. Run a critic on the grid with ``agent_core.algos.step_advantages.score_on_grid``.
+Design notes: docs/architecture.md §11 (agent_core/algos/episodes.py).
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """What every advantage estimator shares: the registry, the input, the output, the dispatcher
 and the masked helpers (episode scores, group statistics, batch whitening).
 
-This is the base module of the estimators: it imports nothing of ``agent_core.algos``. The
-estimators live in ``agent_core.algos.advantages`` (outcome / Monte-Carlo estimators) and
-``agent_core.algos.estimators_critic`` (GAE with a critic) and ``agent_core.algos.gigpo`` (anchor-state
-groups); the package's ``__init__`` imports them, so importing any ``agent_core.algos`` module
-registers every built-in estimator.
-
-Every estimator is called as ``fn(inputs: AdvantageInputs) -> AdvantageOutput`` (the fields and
-their shapes: ``AdvantageInputs``). Fields an estimator has no use for are ignored, so a config
-can switch estimators by name alone. Outputs are float32 [E, T] and zero wherever ``mask`` is 0.
-
-Which estimators the advantage mask can change at all (``estimator_ignores_advantage_mask``):
-rewards sit on action tokens only, so an episode's score (the sum of its masked rewards) is the
-same whichever mask is used. ``grpo`` and ``rloo`` compute nothing else, so their action-token
-advantages do not depend on the mask; the config refuses that ablation for them. The others
-change: ``gae`` with gamma or lam < 1 (discounting across observation tokens) and, with
-``whiten``, always (observation tokens join the whitening statistics); ``step_gae`` only through
-``whiten`` (a step's segment runs up to the next step start either way); ``reinforce_pp*``
-through their whitening.
-
-A group of one (``grpo``, ``rloo``) has no baseline: its advantage is 0 (no signal), unlike
-verl, which keeps the raw score (an unbaselined, unnormalized score mixed into group-normalized
-advantages); ``warn_once`` reports it once per estimator and process.
+Every estimator is ``fn(inputs: AdvantageInputs) -> AdvantageOutput``; outputs are float32 [E, T], zero where
+``mask`` is 0. This base module imports nothing of ``agent_core.algos``; the package's ``__init__`` registers
+every built-in estimator. Differs from verl: a group of one (``grpo``, ``rloo``) gets advantage 0, no score.
+Design notes: docs/architecture.md §11 (agent_core/algos/estimator_core.py).
 """
 
 from __future__ import annotations

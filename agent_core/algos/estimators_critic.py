@@ -1,28 +1,10 @@
 """Critic-based advantage estimators: token-level ``gae`` and per-step ``step_gae``.
 
-Both follow Generalized Advantage Estimation (Schulman et al. 2016, arXiv 1506.02438) as used by
-PPO for LLMs (Ouyang et al. 2022; verl / OpenRLHF), with the advantage mask of Agent-R1
-(arXiv 2511.14460, docs/architecture.md §3): the recursion runs over the masked tokens only, so with the
-mask on the last token of action k bootstraps from the first token of action k+1 and tool output
-in between is skipped (its rewards and values are ignored). The code carries the "next masked
-token" value and advantage across unmasked columns, which is the same as compressing each row to
-its masked tokens, running the plain recursion and scattering back.
-
-Whitening (``whiten=True``, the pipeline's default through ``algorithm.whiten_advantages``): the
-advantages are whitened over every masked token of the batch (token-weighted mean, unbiased std,
-+ eps), as verl's ``compute_gae_advantage_return`` and Agent-R1 do over their response / action
-mask; the returns (value targets) stay unwhitened. This is also what makes the advantage-mask
-ablation reach the trained signal: with gamma = lam = 1 the plain recursion gives every action
-token the same A_t = G_t - V_t whichever tokens it runs over, but observation tokens do join the
-whitening statistics.
-
-Where this differs from the convention: every episode is treated as terminated after its last
-masked token (next value 0), also episodes cut off by a step or context budget. A truncated
-episode would properly bootstrap from the value of the state it stopped in; the tables do not
-keep that state, so truncation is read as termination here.
-
-Input, output and shapes: ``AdvantageInputs`` / ``AdvantageOutput`` in
-``agent_core.algos.estimator_core``.
+GAE (Schulman et al. 2016) with Agent-R1's advantage mask (docs/architecture.md §3): the recursion runs over
+masked tokens only, so action k bootstraps from action k+1's first token, skipping tool output in between.
+Advantages are whitened over the batch's masked tokens (``whiten=True``, the default); returns are not.
+Differs from the convention: every episode, truncated ones too, ends after its last masked token (value 0).
+Design notes: docs/architecture.md §11 (agent_core/algos/estimators_critic.py).
 """
 
 from __future__ import annotations

@@ -1,41 +1,10 @@
 """GiGPO: group-in-group advantages over anchor states (Feng et al. 2025, arXiv 2505.10978).
 
-What the paper does. GRPO's group of episodes sampled from one prompt gives the episode-level
-("macro") advantage A^E(tau) = (R(tau) - mean) / F_norm over the group (F_norm = the std, or 1).
-Inside that group, every step is keyed by the environment state it acted in; steps of DIFFERENT
-episodes (at any time step) that met an identical state form an "anchor state" group. Each step's
-discounted return G_t = sum_k gamma^k r_{t+k} is normalised within its anchor group, giving the
-step-level ("micro") advantage A^S = (G_t - mean) / F_norm. The policy is trained with
-A = A^E + omega * A^S on the step's action tokens (the paper's gamma 0.95, omega 1). A state
-visited once in the group (a singleton) has no comparison: its step advantage is 0.
-
-What the anchor's code does. The AgentR1/Agent-R1 snapshot read for this (main and v0.1.0) has no
-GiGPO code: its ``core_algos.py`` holds GAE, token-level GAE and GRPO only. The paper's own
-implementation (verl-agent, ``gigpo/core_gigpo.py``) was read instead: one batch row per step; the
-anchor of a row is the env's raw current observation (exact match, or optionally a text-similarity
-threshold), grouped within the prompt group's index; discounted returns are computed per step
-over each trajectory; both levels use torch.std (unbiased) with mode ``mean_norm`` (no std) by
-default; the sum is broadcast over the row's response tokens.
-
-Where we differ, and why:
-- episode level: exactly our ``grpo`` (each episode counted once in its group's mean and std, a
-  group of one gets 0 and a warning). verl-agent by default computes the group's statistics over
-  step rows, so an episode weighs by its number of steps, and a group of one keeps its raw score;
-- normalisation follows ``norm_by_std`` at both levels (true by default, the paper's F_norm = std);
-  ``norm_by_std: false`` is verl-agent's default ``mean_norm``;
-- anchors are keys the env gives (``EnvStep.anchor``; the search env: the set of retrieved
-  document ids), matched exactly, no similarity clustering: two different queries that retrieve
-  the same documents lead to the same state, while raw texts differing in a query echo would not;
-- a step with no anchor (an env that gives none, or a table written before the column) is a
-  singleton: step advantage 0. With no anchors at all, gigpo is grpo.
-- ``returns`` is each step's discounted return G_t (no critic reads it; grpo stores the score).
-- the advantage mask: rewards sit on action tokens, so, as for grpo, action-token advantages are
-  the same with it off; observation tokens then get their step's value (a step's columns run up
-  to the next step start).
-
-Input: ``AdvantageInputs`` with step_starts and step_anchors (``agent_core.algos.step_advantages``
-builds both from the steps table's ``anchor`` column: the anchor of the state each step STARTS
-from, the prompt for step 0).
+A step's advantage is A = A^E + omega * A^S: its episode's advantage (exactly our ``grpo``) plus its
+discounted return G_t normalised within its anchor group (the steps of its group that met the same state).
+Unlike the paper's code (verl-agent): anchors are env keys (``EnvStep.anchor``) matched exactly, each episode
+counts once in its group's statistics, and a step with no anchor gets step advantage 0 (no anchors: grpo).
+Design notes: docs/architecture.md §11 (agent_core/algos/gigpo.py).
 """
 
 from __future__ import annotations

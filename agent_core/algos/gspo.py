@@ -1,37 +1,10 @@
 """GSPO, the sequence-level policy loss (Zheng et al. 2025, arXiv 2507.18071), on the step-level MDP.
 
-GSPO replaces PPO's token ratio with one importance ratio per sequence, the geometric mean of its
-token ratios, s_i = (pi(y_i) / pi_old(y_i)) ** (1 / |y_i|) = exp(mean_t (logp_t - old_logp_t)),
-clips it at the sequence level and weighs it by one advantage per sequence:
-loss_i = max(-A_i * s_i, -A_i * clip(s_i, 1 - clip_low, 1 + clip_high)). Its gradient is the
-paper's: d s_i / d logp_t = s_i / |y_i|, so an unclipped sequence moves every one of its tokens by
-A_i * s_i / |y_i| (equal to GSPO-token's gradient when the advantage is constant over the sequence).
-
-Where this differs from the single-turn paper:
-
-- A "sequence" is one action (one agent step) of a multi-turn episode, not the whole response:
-  the step is the MDP's action (Agent-R1 / StepPO, arXiv 2604.18401). Tool output, observations
-  and chat-template glue are in no sequence: they are sampled by the env, not the policy. The
-  sequences are the maximal runs of loss-mask tokens along a row (``action_segments``), the same
-  in both training layouts: a step row holds one action; a packed row holds every action of the
-  episode, and between two actions there is always at least one token outside the loss mask (the
-  rollout appends the end of the assistant turn, the observation turn and the next generation
-  prompt: ``agent_core.rollout.chat.encode_observation_messages``). With the loss mask off (the
-  ablation) a row's whole response region is one run, so a packed episode is one sequence, as in
-  the paper's single-turn view; its observation tokens join the geometric mean at ratio 1 (their
-  old log-prob is the policy's own, ``agent_core.training.trainer``).
-- One advantage per sequence: the mean of its tokens' advantages. Step-level estimators
-  (``step_gae``, the episode-level ``grpo`` / ``rloo``) give every token of an action the same
-  value, so this is that value; for token-level estimators (``gae``, ``reinforce_pp``) it is the
-  action's mean token advantage (verl's GSPO-token keeps token advantages instead).
-- Aggregation by the existing modes (``agent_core.algos.losses.aggregate_loss``) over the
-  per-sequence loss broadcast to its tokens. The paper averages over sequences: that is
-  ``seq-mean-token-mean`` in the step layout (one row = one action). In a packed row it is the mean
-  over the row's actions weighed by their lengths, then over episodes; ``token-mean`` weighs every
-  action by its length.
-- dual_clip is accepted and ignored (the paper has none; the ratio is already length-normalised).
-- clipfrac is the share of loss tokens whose sequence was clipped (token-weighted, like verl's, so
-  the trainer's per-token sum over micro-batches stays exact); approx_kl is ppo_clip's token k3.
+One importance ratio per sequence, s_i = exp(mean_t (logp_t - old_logp_t)), clipped at the sequence level and
+weighed by one advantage per sequence (the mean of its tokens' advantages). Unlike the single-turn paper, a
+"sequence" is one action (one agent step) of a multi-turn episode, a maximal run of loss-mask tokens
+(``action_segments``); observations and template glue are in no sequence. dual_clip is accepted and ignored.
+Design notes: docs/architecture.md §11 (agent_core/algos/gspo.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Per-token KL estimators to a frozen reference policy (docs/architecture.md §7), pure torch, by name.
 
-Each estimator maps the log-probs of the sampled tokens under the current policy (``logprobs``)
-and under the reference (``ref_logprobs``), both [B, L], to a per-token estimate [B, L] of
-KL(pi || pi_ref) (Schulman, "Approximating KL divergence", 2020). With ``log_r = ref - logp``:
-
-- ``k1`` = logp - ref = -log_r: unbiased, high variance, can be negative per token.
-- ``k2`` = 0.5 * (logp - ref)^2: biased (low for a small KL), low variance, never negative.
-- ``k3`` = exp(log_r) - log_r - 1: unbiased AND never negative (the "low-variance" one).
-
-The same numbers serve a KL term in the loss (the trainer) or a KL penalty in the reward (the
-advantages stage); the caller masks and aggregates.
-
-Where this differs from the plain formulas: k3 clamps log_r to [-MAX_KL_LOG_RATIO,
-MAX_KL_LOG_RATIO] before exp, because one stale or garbage log-prob would otherwise overflow
-float32 to inf and turn a whole update into nan. Inside the clamp the value is exact; beyond it,
-the gradient is 0 for that token (the penalty saturates at about 4.9e8 rather than exploding).
+Each maps ``logprobs`` and ``ref_logprobs`` [B, L] to a per-token estimate of KL(pi || pi_ref) (Schulman
+2020): ``k1`` (unbiased, may be negative), ``k2`` (biased, low variance), ``k3`` (unbiased, never negative);
+the caller masks and aggregates. Differs from the plain formulas: k3 clamps log_r to +-MAX_KL_LOG_RATIO before
+exp (no float32 overflow to inf; beyond the clamp the token's gradient is 0).
+Design notes: docs/architecture.md §11 (agent_core/algos/kl.py).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Policy and value losses and loss aggregation (docs/architecture.md §7), pure torch.
 
-Loss aggregation modes (``LOSS_AGG_MODES``, by name), for a per-token loss matrix [B, L] and a
-loss mask [B, L]:
-
-- ``token-mean``: sum over all masked tokens / number of masked tokens. Every token weighs the
-  same, so long responses weigh more (verl's default; DAPO).
-- ``seq-mean-token-mean``: mean over sequences of each sequence's token mean (the original GRPO
-  objective): every sequence weighs the same, so tokens of short responses weigh more.
-- ``seq-mean-token-sum-norm``: each sequence's token sum / a constant length, averaged over
-  sequences (Dr.GRPO, Liu et al. 2025): removes GRPO's length bias.
-
-A "sequence" is a training row: one step of an agent episode (or a packed episode).
-The optional normalizers (``num_tokens``, ``num_sequences``, ``norm_length``) replace the
-per-batch counts with counts over the whole optimizer step, so summing the losses of micro-batches
-gives exactly the loss of one big batch (gradient accumulation). Sequences with no masked token
-are not counted in the seq-mean modes.
-
-Policy losses (``POLICY_LOSSES``, by name; each a ``PolicyLoss``): ``ppo_clip``, the PPO clipped
-objective of Schulman et al. 2017, with decoupled low/high clip ranges (DAPO's clip-higher) and the
-optional dual clip of Ye et al. 2020 for negative advantages; ``gspo`` (``agent_core.algos.gspo``),
-GSPO's sequence-level ratio and clip over each action. The clipped value loss is PPO2's (OpenAI
-baselines), aggregated by the same modes. KL estimators to a reference policy live in
-``agent_core.algos.kl``.
+Aggregation modes (``LOSS_AGG_MODES``): ``token-mean`` (verl's default; DAPO), ``seq-mean-token-mean``
+(original GRPO), ``seq-mean-token-sum-norm`` (Dr.GRPO); a "sequence" is one training row (step or episode).
+The optional normalizers count over the whole optimizer step, so micro-batch losses sum to one big batch's.
+Policy losses (``POLICY_LOSSES``): ``ppo_clip`` (clip-higher, dual clip), ``gspo``; value loss: PPO2's clip.
+Design notes: docs/architecture.md §11 (agent_core/algos/losses.py).
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """Every mask used in training is built or combined here, and only here (docs/architecture.md §3).
 
-Vocabulary (all masks are [B, L], 1 = the token takes part, 0 = it does not):
-
-- ``attention_mask``: padding only (1 on real tokens, 0 on padding).
-- ``action_mask``: 1 on tokens the policy sampled (response tokens), 0 on the prompt, tool output
-  and chat-template glue.
-- **response region** of a row: the tokens after the context the row starts from, from
-  ``response_start`` to the end. A packed episode: everything after its first prompt (actions and
-  the observations between them); a step row: the previous step's observation (the prompt suffix
-  that carries its values) and the response. The first prompt, and in a step row the earlier
-  turns, are context only: no mask ever covers them.
-- **loss mask**: the tokens the policy loss (and the entropy / KL terms) is averaged over.
-  On (default) = ``action_mask``. Off (the paper's ablation) = the response region, so the
-  policy is also trained on the observation tokens there, each with the advantage stored for it
-  (``agent_core.algos.step_advantages``: the recursion's own with the advantage mask off, else
-  the advantage of the action it follows, e.g. its episode's for grpo); the trainer never zeroes
-  those advantages.
-- **advantage mask**: the tokens the advantage / return recursion runs over, and so the tokens
-  with value targets for the critic. On (default) = ``action_mask``: the value at the last token
-  of action k bootstraps from the first token of action k+1 and tool output is skipped. Off
-  (ablation) = the response region (the episode grid's real tokens, observations included).
-
-The first real token of a sequence is never in a mask, because nothing conditions it (its
-log-probability is defined as 0 by ``agent_core.training.scoring.sequence_logprobs``); a region
-starts at index >= 1 anyway, since a step must have at least one prompt token.
-
-The Agent-R1 ablation (PPO 0.3719 -> 0.3136 with the advantage mask off -> 0.3022 with the loss
-mask off too) is reproduced by ``use_advantage_mask`` / ``use_loss_mask`` of ``derive_masks``.
+All masks are [B, L], 1 = the token takes part: ``attention_mask`` (padding), ``action_mask`` (tokens the
+policy sampled), the loss mask and the advantage mask (each ``action_mask`` when on, the row's response region
+when off). The first real token of a sequence is never in a mask. ``use_advantage_mask`` / ``use_loss_mask``
+of ``derive_masks`` reproduce the Agent-R1 ablation.
+Design notes: docs/architecture.md §11 (agent_core/algos/masks.py).
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """From per-step rewards to per-token advantages of each step (the compute_advantages stage).
 
-Two calls, so a caller can run a critic or reference model between them:
-
-1. ``prepare_episodes(rows)``: group steps into episodes (``agent_core.episodes.episodes_from_rows``)
-   and episodes into groups (same group_id), and build the token grid (``agent_core.algos.episodes``)
-   with each step's reward: the combined reward of the rewards table (process and outcome
-   rewards are combined once, at labelling: ``agent_core.rewards.combine``).
-2. ``estimate_step_advantages(batch, ...)``: subtract an optional in-reward KL penalty, run the
-   estimator under the advantage mask, and split the result back into one record per step,
-   aligned with its response tokens (and with its observation tokens when a mask is off).
-
-``score_on_grid`` runs a critic on the grid. ``anchor_grid`` puts each step's anchor (an id per
-distinct anchor string, -1 for none) on its step start, for gigpo.
-
-Observation tokens (append-only episodes; docs/architecture.md §3):
-
-- advantage mask off: the estimator ran over them; they get its advantages, returns (the
-  critic's targets there) and values, stored as ``obs_advantages``, ``obs_returns``, ``obs_values``.
-- advantage mask on, loss mask off: the estimator skipped them, but the policy is trained on
-  them, so each carries the advantage of the action token it follows (the last action token
-  before it in the row): the episode's advantage for grpo / rloo / reinforce_pp_baseline, the
-  step's for step_gae and gigpo, the advantage at the step's last action token for gae / reinforce_pp.
-  An observation is what the environment returned for that action, so it is credited like the
-  action. Only ``obs_advantages`` is stored (no value targets there: the critic keeps to the
-  advantage mask).
-- both masks on: nothing is stored.
+Two calls, so a caller can run a critic or reference model between them: ``prepare_episodes(rows)`` builds the
+episodes, groups and token grid with each step's combined reward; ``estimate_step_advantages(batch, ...)``
+runs the estimator under the advantage mask and splits the result back into one record per step. With a mask
+off, observation tokens also get stored values (``obs_advantages``, ...; docs/architecture.md §3).
+Design notes: docs/architecture.md §11 (agent_core/algos/step_advantages.py).
 """
 
 from __future__ import annotations

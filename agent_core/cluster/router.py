@@ -1,20 +1,10 @@
 """The replica router: an Engine that spreads one `generate` call over a pool's replicas
 (docs/scale-out.md).
 
-Routing: an episode's calls go to the replica that served its first one (its context is a prefix
-of the next call's, so that replica's prefix cache already holds it, as in SkyRL's sticky
-router); a new episode goes to the least-loaded living replica (fewest prompts in flight plus
-those already placed in this call; ties to the lowest index, so a run routes the same way twice).
-
-Seeds: prompt i of a seeded call samples with its own seed (`seeds_of`), and each part sent to a
-replica carries its prompts' seeds, so how a call is split does not change what is sampled: a
-rollout over N hf replicas produces the episodes one in-process engine does.
-
-Failures: a replica that dies (Ray reports the actor gone) or does not answer within
-`generate_timeout_s` is taken out of the pool (killed, so it cannot answer late) and its part of
-the call is sent again to the others; each generation records how many replicas failed it
-(`retries`) and which one answered (`served_by`). With no replica left the call raises
-ClusterError, which ends the rollout before anything is written.
+An episode's calls stick to the replica that served its first one (prefix cache, as in SkyRL's sticky
+router); a new episode goes to the least-loaded living replica. Per-prompt seeds make the split not change
+what is sampled. A replica that dies or times out is removed and its part resent; none left: ClusterError.
+Design notes: docs/architecture.md §11 (agent_core/cluster/router.py).
 """
 
 from __future__ import annotations

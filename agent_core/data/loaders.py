@@ -2,25 +2,9 @@
 files, into the same container as the synthetic generator (`SyntheticQA`), so prepare_data, the
 `search_qa` env and the tool-call formats work on them unchanged.
 
-Why the choices below:
-
-- Corpus: every question ships its own context paragraphs; the corpus is their union, one Document
-  per distinct (title, text), in first-seen order. The doc id hashes title and text (not the title
-  alone) because MuSiQue splits one article into several paragraphs under one title, and a title's
-  text may differ between questions; identical paragraphs still dedupe across questions.
-- Retrieval runs over the whole corpus in every setting: the search env cannot restrict retrieval
-  per prompt. In HotpotQA / 2Wiki's distractor setting (and for MuSiQue, which only has one) a
-  question's own paragraphs are kept in metadata["candidate_doc_ids"] for analysis only. In the
-  fullwiki setting a question's context is what a retriever found, so its supporting paragraphs may
-  be missing: metadata["supporting_titles"] is always complete, "supporting_doc_ids" lists only the
-  supporting paragraphs present in the corpus.
-- dataset_id hashes the file's bytes and the load settings, so an edited file or other settings
-  never reuse an old dataset folder.
-- A file that does not match the native format raises DatasetFormatError naming the file, the
-  record (index for JSON, line for JSONL) and the key: a multi-hundred-MB file is otherwise
-  impossible to debug from a bare KeyError.
-- Test files without answers (e.g. hotpot_test_fullwiki_v1.json) are rejected: a prompt without a
-  gold answer cannot be rewarded.
+The corpus is the union of every question's context paragraphs (one Document per distinct title + text);
+retrieval runs over all of it, in every setting. Malformed files raise DatasetFormatError (file, record, key).
+Design notes: docs/architecture.md §11 (agent_core/data/loaders.py).
 """
 
 from __future__ import annotations

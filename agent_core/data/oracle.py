@@ -1,30 +1,10 @@
 """A scripted oracle agent for the built-in synthetic task: ideal episodes for a supervised warm start.
 
-`oracle_actions(prompt, tool_format)` is the action texts of an ideal episode: one search per
-name of the prompt's `metadata["oracle_plan"]["queries"]`, one per turn, then the answer, written by
-the env's tool-call format ("tag" or "hermes"). The plan is computed from the generator's world, so
-the oracle needs no reading of search results: it shows the policy which searches lead to the
-answer, not how to read passages (the searches only succeed because each full name finds its own
-page in the top 3, which tests/test_synthetic.py checks).
-
-`OracleEngine` plays those actions through the real agent loop (any Engine is accepted there), so
-its episodes are recorded as a true steps table, token for token in the policy's tokenizer. Design:
-
-- Which episode: the engine decodes the context and finds the prompt's question (its last user
-  message, which the envs pass through unchanged). It is given only the prompts, so it needs no
-  knowledge of how an env renders its system prompt or the chat template its opening.
-- Which step: the engine looks for its own earlier actions in the context, as token ids (the loop
-  puts the returned ids into the context unchanged), and plays the one after the latest found. This
-  holds for any number of episodes per prompt, in any batch, and for windowed contexts that keep at
-  least the last turn; no per-episode state is kept.
-- Each action ends with the end-of-turn id (<|im_end|> where the vocabulary has it, else eos),
-  log-probs are 0.0 (the oracle is deterministic) and finish_reason "stop"; an action longer than
-  max_new_tokens is cut and reported as "length", like a real engine.
-
-`oracle_config_problems(config)` says, when the config is checked (before anything runs), why the
-oracle could not warm-start that run: its plans exist for the synthetic task only, and its episodes
-call `search`, which the rollout's env must have (imitating calls the env cannot run would teach
-the policy to fail).
+`oracle_actions(prompt, tool_format)` gives an ideal episode's action texts (one search per name of
+`metadata["oracle_plan"]["queries"]`, then the answer); `OracleEngine` plays them through the real agent loop,
+so its episodes are a true steps table in the policy's tokenizer. It keeps no per-episode state: it finds the
+question and its own earlier actions in the context. `oracle_config_problems(config)` says why it cannot run.
+Design notes: docs/architecture.md §11 (agent_core/data/oracle.py).
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Your own dataset: prompts from JSON-lines files, one file per split (`data.source: jsonl`).
 
-One JSON object per line:
-
-    {"id": "g01", "question": "Guess my number.", "answers": ["5"],
-     "env": {"name": "guess_number", "kwargs": {"high": 8}}}
-
-- `id` (string, unique over every file): the prompt id.
-- `question` (string: one user message) or `messages` (a chat, [{"role", "content"}, ...]).
-- `answers` (non-empty list of strings): the gold answer first, then aliases. The scorer
-  (`reward.scorer`) compares the episode's final answer with them.
-- `env` (optional): the env the prompt runs in, {"name": ..., "kwargs": {...}}; default search_qa
-  with `top_k` passages per search, like the other datasets. `rollout.env` replaces it for every
-  prompt, `rollout.env_kwargs` refine it.
-- `metadata` (optional object): kept with the prompt (the `metadata` column).
-- `documents` (optional list of {"title", "text"}): passages for the search tool. The corpus is the
-  union of every line's documents (a passage in several lines appears once); it may be empty.
-- `data_source` (optional string, default "jsonl"): how reports group the prompt.
-
-A line that is not of this shape raises DatasetFormatError naming the file, the line and the key.
-The dataset id hashes the files' bytes and the settings, so an edited file is a new dataset.
+One JSON object per line: `id`, `question` or `messages`, `answers` (gold first, then aliases), and optional
+`env`, `metadata`, `documents`, `data_source`. A malformed line raises DatasetFormatError naming the file, the
+line and the key; the dataset id hashes the files' bytes and the settings.
+Design notes: docs/architecture.md §11 (agent_core/data/prompt_files.py).
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """The built-in synthetic multi-hop QA task: a made-up world of films, people, cities and countries
 (synthetic_world.py), HotpotQA-style questions about it (synthetic_questions.py), and their splits.
 
-Everything follows from `random.Random(seed)`, so the same arguments give the same prompts and
-documents in the same order on any machine. The mix of questions:
-
-- every 2-hop bridge question the world allows (one or two per film and per person);
-- 3-hop bridge questions, sampled so they make up about `three_hop_fraction` of all questions;
-- comparison questions, about `comparison_fraction` of all questions.
-
-Each prompt's metadata: template, type ("bridge" / "comparison"), hops (2 / 3), supporting_doc_ids
-(in reading order) and oracle_plan ({"queries": the full names to search, in order; "answer"}),
-which agent_core/data/oracle.py turns into an ideal episode.
-
-Split (a difference from a plain random split, following the measured caveat in docs/architecture.md §10:
-a random split let the policy score by recalling people seen in training): every question has key
-people (the director for film questions, the person asked about otherwise, both directors for a
-comparison). People are assigned to splits in whole groups, filled greedily by their bridge
-questions to the requested sizes; comparisons are then drawn only between films whose directors
-share a split. So no test (or dev) question starts from a film or person that any training question
-starts from or hinges on. Split sizes can miss the target by about one person's questions; cities
-and countries are shared by all splits (the tiny world has few).
+Everything follows from `random.Random(seed)`: the same arguments give the same prompts on any machine.
+Differs from a plain random split: people go to splits in whole groups, so no test (or dev) question starts
+from a film or person that any training question starts from or hinges on (docs/architecture.md §10).
+Design notes: docs/architecture.md §11 (agent_core/data/synthetic.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Questions about the synthetic world (synthetic_world.py), shaped like HotpotQA's two kinds.
 
-- bridge: a chain of documents, each naming the entity whose page comes next; the last one states
-  the answer. 2-hop ("Where was the director of X born?": film -> director) and 3-hop ("In which
-  country was the director of X born?": film -> director -> birth city).
-- comparison: two entities looked up side by side and compared ("Which film was released earlier,
-  X or Y?"; "Were the directors of X and Y born in the same city?", answered "yes" / "no").
-
-`hops` counts reasoning steps: for a bridge question, the documents along its chain; for a
-comparison, the documents along each side's chain plus one for the comparison itself (so the
-film-year comparison is 2-hop, as HotpotQA counts it, and the directors' birth cities one is 3-hop).
-
-Every question carries its oracle plan: the full names an ideal agent searches, in order (always the
-titles of its supporting documents), and the answer. Each question also names its key people: the
-people whose facts it hinges on (a film question's director, a person question's person); the
-generator splits train / dev / test by key person.
+Bridge questions (a chain of documents, 2- or 3-hop) and comparison questions (two entities compared); `hops`
+counts reasoning steps as HotpotQA does. Every question carries its oracle plan (the full names to search, in
+order, and the answer) and its key people, by which the generator splits train / dev / test.
+Design notes: docs/architecture.md §11 (agent_core/data/synthetic_questions.py).
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
-"""The made-up world behind the built-in synthetic task: films, people, cities, countries, and the
-one short document per entity that states its facts.
+"""The made-up world behind the built-in synthetic task: films, people, cities, countries, and the one short
+document per entity that states its facts.
 
-- each film has a year and a director (a person);
-- each person has a birth city and, for about MARRIED_FRACTION of them, a spouse (symmetric);
-- each city lies in a country.
-
-Names are built from a small, regular syllable inventory and never use an English word of the
-templates, so a tiny tokenizer trained on this text stays small. Every entity's full name is
-unique. Two ways to name them (`NameStyle`):
-
-- unique words (`pool_size=0`, the original style): every name word is used once in the world,
-  except that about `distractor_fraction` of the people and films are *namesakes*: a person who
-  shares a first name or a surname with an earlier person, or a film whose title holds a person's
-  surname ("Dunmar Kelvo" next to "Tessa Dunmar").
-- pooled words (`pool_size=k`): a person's name is a first name and a surname drawn from two pools
-  of k words each, a film's title two words from two pools of its own; only the pair is unique. A
-  world far larger than a model could memorise needs few words this way, and with one-syllable
-  words every name is two tokens of a small tokenizer, each of them seen in training in many
-  names; held-out people are new pairs of seen words. Namesakes come with the pools (about
-  num_people / k people share each first name), so `distractor_fraction` is not used.
-
-Either way a search on part of a name can rank the wrong entity first, as on real corpora; a search
-on the full name still finds the entity's own page in the top 3 (its own page repeats both name
-words, others hold one).
+Films have a year and a director, people a birth city and sometimes a spouse, cities a country. Names come
+from a small syllable inventory (`NameStyle`: unique or pooled words), every full name is unique, and a search
+on the full name finds the entity's own page in the top 3.
+Design notes: docs/architecture.md §11 (agent_core/data/synthetic_world.py).
 """
 
 from __future__ import annotations

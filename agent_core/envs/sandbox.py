@@ -1,73 +1,10 @@
 """Run model-written Python in a separate, locked-down interpreter: `run_python` and the `python` tool.
 
-Each call starts a fresh `python -I -S` (isolated mode, no site-packages: the standard library
-only) from `subprocess`, never a fork of the caller, in a new session. Its working directory is a
-private temporary directory, also HOME and TMPDIR, removed afterwards; its environment holds only
-HOME, TMPDIR, PATH and LANG (nothing of the caller's). `sandbox_child.py` is the child's bootstrap
-(run as a script, stdlib only): it applies the layers below, then exec()s the code from
-`main.py` in the working directory. The caller enforces the wall-clock timeout by killing the
-child's process group, and caps stdout/stderr at `max_output_chars` each ("[truncated]").
-
-The program cannot forge what the caller reports. The child sends its one status line ("layers
-a,b,c") over a socketpair before any of the program's code runs; the caller closes its end and
-answers "go", the child closes its own: no descriptor of the channel is left anywhere for the
-program to write to. The rest comes from the kernel: the caller's wall clock, the exit status and
-CPU seconds from `wait4` (SIGXCPU means a timeout only if the CPU allowance was really used), and
-the tmpfs's usage through a descriptor opened during the handshake. `killed_by == "memory"` is the
-bootstrap's exit status after an uncaught MemoryError (MEMORY_EXIT_CODE): the program's own word,
-like any exit status (it may `raise MemoryError`), but it can never fake a timeout or its layers.
-
-Layers, each independent (`SandboxResult.layers` lists those a run got; `sandbox_layers()` those
-this machine gives):
-
-- rlimits: CPU seconds (timeout + 1, then SIGXCPU), address space = memory_mb (allocations fail
-  with MemoryError), each file <= 16 MB (or disk_mb), 64 open files, no core dumps. RLIMIT_NPROC
-  (32 tasks) only for a non-root caller whose child got a user namespace: it counts per user and
-  namespace, so elsewhere it would count all of the user's processes, and the kernel never enforces
-  it for uid 0. Forks are stopped by seccomp and the audit hook instead; threads are bounded by memory_mb.
-- netns: a new user + network namespace: one loopback interface, down. No IP traffic at all,
-  including to the host's 127.0.0.1. Also drops every capability the caller had (root included).
-- tmpfs: the working directory is a private tmpfs (own user + mount namespace) of disk_mb (default
-  64) and MAX_FILES inodes: the kernel refuses the write that would pass either (ENOSPC), so one
-  call's files hold at most disk_mb in total, in memory (besides memory_mb, which caps the address
-  space), never on disk; the tool's text says "disk full: tried to write more than N MB in total".
-  The program runs in a nested, unmapped user namespace: it cannot unmount the tmpfs; mounting
-  another in a mount namespace of its own is refused by seccomp, Landlock, no_capabilities, the hook.
-- no_capabilities: capset() to an empty set (what is left after netns, or root's own).
-- landlock_fs (Landlock ABI >= 1): reads only beneath the interpreter's sys.path, the system
-  library dirs (/lib, /lib64, /usr/lib, /usr/lib64, /usr/local/lib), /usr/share/zoneinfo,
-  /etc/ld.so.cache and /dev/{null,zero,random,urandom}; writes only beneath the working
-  directory and /dev/null; no directory listing of `/`, /etc, /home, /tmp, ... .
-- landlock_net (ABI >= 4): TCP bind and connect denied on every port.
-- landlock_scope (ABI >= 6): no signals to processes outside the sandbox, no connecting to
-  abstract UNIX sockets outside it.
-- seccomp (x86_64 only): fork, vfork, clone without CLONE_THREAD, execve(at), socket, ptrace,
-  unshare/setns, mount APIs, bpf, io_uring, keyrings, modules, reboot and friends return EPERM;
-  clone3 returns ENOSYS (glibc then creates threads with clone); kill/tgkill only to itself.
-  So: no new processes, no programs run, no sockets of any family; threads still work.
-- audit_hook: `sys.addaudithook` raising PermissionError on the same things at the Python level
-  (open/listdir/remove/... outside the allowed paths, socket.*, subprocess, os.system/exec/fork/
-  spawn, ctypes, signals to other processes). It gives clear errors; it is NOT a security
-  boundary on its own (C entry points without audit events, e.g. `_posixsubprocess.fork_exec`,
-  or monkeypatching the stdlib it calls, get past it), which is why the kernel layers exist.
-
-Always, whatever the layers: the child gets SIGKILL when the caller's thread that started it
-dies (PR_SET_PDEATHSIG), and after the run its whole process group is killed.
-
-A layer the kernel refuses (old kernel, a container's seccomp profile forbidding unshare or
-Landlock, AppArmor denying user namespaces) is left out and the others still apply; `layers=`
-restricts a run to chosen layers (the tests use it to prove each layer alone). Known limits:
-- the program keeps the caller's uid. Without landlock_fs (only the hook guarding files) a
-  root caller's program could write root-owned files; run the caller unprivileged if you can;
-- without landlock_scope and seccomp, raw syscalls can signal the caller (same uid);
-- `os.stat` works on any path: Landlock and the hook guard contents and listings, not metadata;
-- without the tmpfs layer (no user namespaces) disk use is capped per file, not in total; CPU
-  seconds count every thread, so a multi-threaded busy loop hits the CPU limit before
-  the wall clock;
-- pathname UNIX sockets are stopped only by seccomp and the hook (Landlock and netns do not
-  cover them); without seccomp or Landlock (not x86_64 / aarch64) only netns, rlimits and the
-  hook are left, and the hook can be bypassed;
-- without seccomp and the hook, a grandchild that calls setsid escapes the process-group kill.
+Each call starts a fresh `python -I -S` child (stdlib only, never a fork of the caller) in a new session, in a
+private temporary working directory, with only HOME, TMPDIR, PATH and LANG; `sandbox_child.py` bootstraps it.
+Independent layers (rlimits, netns, tmpfs, no_capabilities, landlock_*, seccomp, audit_hook) apply where the
+kernel gives them (`SandboxResult.layers`, `sandbox_layers()`); the program cannot forge the caller's report.
+Design notes: docs/architecture.md §11 (agent_core/envs/sandbox.py).
 """
 
 from __future__ import annotations

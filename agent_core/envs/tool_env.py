@@ -1,28 +1,10 @@
 """`ToolEnv`: an `AgentEnv` made of tools and a tool-call format (docs/architecture.md §2).
 
-An action may call several tools (in the format's syntax) or give the final answer with
-`<answer>...</answer>`, which ends the episode ("answered"; the outcome reward is labelled later
-by a scorer from `info["answer"]`). Everything the model can get wrong is data, not a crash:
-unreadable calls (malformed JSON, empty or over-long calls), unknown tools, arguments that fail the
-tool's schema, a tool that raises or runs past its timeout all come back as an error observation
-the model sees next turn, with a configurable process penalty, and are counted in the step's info.
-Tool use is bounded three ways: calls per action, calls per episode, and time per call (plus the
-size of each result), so neither the policy nor a tool can make one episode run without end.
-
-The env only ever parses the policy's action text. Tool results are rendered as observation
-messages and never parsed, so a result that looks like a tool call or a chat-template tag is never
-an action (and `agent_core.rollout.chat` encodes observation text so it cannot become special
-tokens).
-
-Where tools are described: with the hermes format and a chat template that renders `tools=`
-(Qwen2.5 style) the template does it (`tools_for_template`); otherwise the format's instructions
-are added to the system message.
-
-Each step's `anchor` (GiGPO's anchor state, agent_core/algos/gigpo.py) is the observation
-normalised to what it tells the policy: per call, a search's retrieved document ids (sorted: the
-same documents are the same information, whatever query found them), a failed call's tool and
-error kind, any other result's tool and a hash of its lowercased, whitespace-collapsed text; plus
-the kinds of any parse errors. Answer steps lead nowhere: no anchor.
+An action may call several tools or give the final answer with `<answer>...</answer>` ("answered"). Everything
+the model can get wrong comes back as an error observation (with a configurable penalty), never a crash; tool
+use is bounded per action, per episode and per call (time and size). Only action text is parsed, never tool
+results. Each step's `anchor` is GiGPO's anchor state (agent_core/algos/gigpo.py); answer steps have none.
+Design notes: docs/architecture.md §11 (agent_core/envs/tool_env.py).
 """
 
 from __future__ import annotations

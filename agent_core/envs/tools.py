@@ -1,42 +1,10 @@
 """The tool layer: `Tool`s the policy can call by name, and `execute_call`, which never crashes an episode.
 
-Two ways to declare a tool:
-
-1. `@function_tool` on a typed function with a docstring; the JSON schema comes from the type
-   hints and the Google-style `Args:` section, the description from the docstring's summary::
-
-       @function_tool(timeout_s=5.0)
-       def lookup(title: str, max_chars: int = 500) -> str:
-           '''Fetch a page by its exact title.
-
-           Args:
-               title: The page title, as shown in search results.
-               max_chars: Cut the page after this many characters.
-           '''
-
-2. A `Tool` subclass with explicit `name`, `description` and `parameters` (a JSON schema of an
-   object, OpenAI function-calling format) and an `execute` method; see `builtin_tools.SearchTool`.
-   A subclass that overrides `__init__` must call `super().__init__()`, which validates the
-   declaration.
-
-`execute_call` turns everything the model or the tool can get wrong (unknown tool, bad arguments,
-an exception, a timeout) into a `ToolCallOutcome` whose text the model sees next turn. Timeouts
-run `execute` in a daemon thread and stop *waiting* for it: a Python thread cannot be killed, so a
-timed-out tool keeps running in the background, while the caller (an env worker of the agent
-loop) is free again at once, so a hung tool never stalls other episodes. Once
-MAX_ABANDONED_CALLS_PER_TOOL such calls of one tool name are left running (a few more if calls were
-already running when the limit was reached), further calls of that tool fail at once
-("unavailable") until some finish, instead of piling up threads. Tools doing
-heavy CPU work or anything unbounded must enforce their own limits (the python tool runs code in a
-subprocess it can kill; the calculator bounds expression size and exponents). In-process tools are
-trusted code: one that calls os._exit or corrupts memory takes the process with it, which is why
-model-written code runs in the sandbox (`agent_core.envs.sandbox`).
-
-Tools are registered by name in `TOOLS` as factories `(resources, **kwargs) -> Tool`. The built-in
-tools (`agent_core.envs.builtin_tools`, the python tool in `agent_core.envs.sandbox`) register
-themselves when the `agent_core.envs` package is imported, which importing this module does.
-`Tool` and `ToolResult` live in `agent_core.envs.tool_base` and `function_tool` in
-`agent_core.envs.function_tool`; both are re-exported here, the one import tool authors need.
+Declare a tool with `@function_tool` on a typed function, or as a `Tool` subclass. `execute_call` turns every
+error (unknown tool, bad arguments, an exception, a timeout) into a `ToolCallOutcome` the model sees; a
+timed-out tool keeps running in a thread no longer waited for. Tools are registered by name in `TOOLS`;
+`Tool`, `ToolResult` and `function_tool` are re-exported here, the one import tool authors need.
+Design notes: docs/architecture.md §11 (agent_core/envs/tools.py).
 """
 
 from __future__ import annotations

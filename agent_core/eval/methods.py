@@ -1,30 +1,10 @@
 """Evaluation methods by name: a policy answers prompts, each answer is scored by the run's scorer
 (`settings.scorer`, a name in agent_core/rewards/scorers.py SCORERS; its EM and F1 go to the table).
 
-Every method has one signature, `(policy_dir, prompts, documents, settings) -> list[EvalEpisode]`,
-and is registered in `EVAL_METHODS`. The agent methods roll out through the one rollout entry point
-(agent_core/drivers `roll_out`), so every env evaluates through its own driver (agent_program's
-programs jailed as `settings.access` says).
-
-- `naive_rag`: retrieve once, answer once. BM25 top-k over the corpus for the question text, the
-  passages and the question in ONE user turn (the dataset's system message is kept; its tool
-  instructions are not added, since no tool can be called), ONE generation. The prediction is the
-  `<answer>` content if there is one, else the whole generation, stripped (a model that ignores
-  the instruction still gets credit for a right answer, as in the paper's RAG baseline).
-- `base_tool_call` and `agent`: the real agent loop in the run's envs (`settings.rollout`: its `env`
-  override, else each prompt's own env; any registered env). They run the same code: the caller
-  passes the untrained policy for the first and a trained checkpoint for the second; both names
-  exist so the eval table says which is which. The prediction is the answer of an episode that
-  ended "answered", "" otherwise.
-
-The loop and sampling settings come from `RolloutSpec` (agent_core/rollout/spec.py), the one place
-training's rollout builds them too: the context mode, observation cut, top_p and budgets are
-training's. Where eval differs from the training rollout: one episode per prompt (no groups), and
-greedy decoding is temperature 0. Settings without a `rollout` (a standalone eval) run the
-`search_qa` env with `settings.top_k` / `settings.tool_format` and the full context, as before.
-
-The `*_episodes` functions take an engine and a tokenizer, so any Engine (a scripted double in
-tests, vLLM) can be evaluated; the registered methods load both from `policy_dir`.
+Every method is `(policy_dir, prompts, documents, settings) -> list[EvalEpisode]`, in `EVAL_METHODS`:
+`naive_rag` (retrieve once, answer once, as the paper's RAG baseline), `base_tool_call`, `agent`. Unlike the
+training rollout (`RolloutSpec`): one episode per prompt (no groups), greedy decoding is temperature 0.
+Design notes: docs/architecture.md §11 (agent_core/eval/methods.py).
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
-"""How the gateway calls the engine: as well as the in-process agent loop does (agent_core/rollout/agent_loop.py).
+"""How the gateway calls the engine: as well as the in-process agent loop does
+(agent_core/rollout/agent_loop.py).
 
-Requests reach the gateway one sequence at a time, each on its own server thread. `EngineQueue`
-turns them into engine calls:
-
-- An engine that takes N > 1 calls at once (`concurrent_calls`: a vLLM server, which batches across
-  calls itself) gets up to N calls in flight, one request each (a semaphore): waiting to batch
-  would gain nothing, as rule (c) of the loop says.
-- A serial engine (hf: one call at a time) gets a batching queue: the requests queued when the
-  engine is free go out as ONE generate call, as many as share their sampling settings
-  (`Engine.generate` takes one SamplingParams for all its prompts, so requests that differ in
-  max_new_tokens, temperature, top_p or stop_token_ids go in separate calls, oldest first). Seeds
-  need not agree: each prompt of the call samples with its own request's seed (`prompt_seeds`),
-  so batching changes no request's seed. A free engine with requests queued sends them at once
-  when no other active episode could join (every open episode that has made a request has one
-  queued: the loop's rule (a); an episode stops counting when it finishes); else it waits for them
-  at most `window_s`, counted from when the call could first have been sent (rule (b), the loop's
-  straggler wait). Requests that arrive
-  while a call runs join the next one.
-
-The queue has no thread of its own: the first request thread to find the engine free leads, runs
-calls until its own request is served, then hands the lead to a waiting thread (leader/follower),
-so nothing must be started or stopped with the gateway. Each request gets back its own
-`Generation` (the engine's output for its sequence, untouched), the call's wall seconds and how
-many sequences shared the call.
+`EngineQueue`: a concurrent engine (`concurrent_calls` > 1, vLLM) gets up to N calls in flight, one request
+each; a serial engine (hf) gets the queued requests that share sampling settings as ONE generate call, each
+with its own seed, after waiting at most `window_s` for other active episodes. No thread of its own.
+Design notes: docs/architecture.md §11 (agent_core/gateway/batching.py).
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """The gateway's work without HTTP: episodes and their tokens, one completion, the record of each call.
 
-Each episode has its own bearer token (`secrets.token_urlsafe`); a request is served only under the
-token of an open episode, and is recorded under that episode alone. Finishing an episode revokes its
-token at once: a request already in flight when it finishes is answered but not recorded.
-
-Token ids are never re-derived from text where the agent did not change it: when a request's
-messages are the previous request's messages, then the reply the gateway returned (unchanged), then
-new tool/user messages, the prompt is the previous prompt ids + the sampled response ids + the new
-messages' ids with the template's glue (`encode_observation_messages`), exactly as the in-process
-agent loop builds contexts; the episode then packs into one training sequence. Any other request
-(the agent rewrote, dropped or reordered its history) is rendered whole with the chat template.
-
-The engine is used as the in-process agent loop uses it (agent_core/gateway/batching.py): a
-concurrent engine (vLLM) gets up to `concurrent_calls` requests in flight at once; a serial one (hf)
-gets the requests that are queued together as one generate call, those with the same sampling
-settings, after waiting at most `GatewayLimits.batch_window_s` for the other active episodes. Each
-request samples with its own seed (from the run's seed, the episode's number and how many seeds it drew),
-recorded with it, whether or not it shared its engine call (the call gives each prompt its own seed,
-`SamplingParams.prompt_seeds`), so a call can be reproduced from its prompt ids and seed alone: with
-the hf engine, up to the float noise that a different left-padding width in a shared call adds to
-the logits (~1e-6 on log-probs; HFEngine's docstring). `batch_size` records how many sequences
-shared the call, and `generate_seconds` is that whole call's wall time.
-
-An agent may send its requests at once (issue 39). Under the episode's lock, before anything is
-generated, a request takes one of the episode's `max_calls` slots (none left: 400, as when sent one
-after another) and, once its prompt passed the context check, the episode's next seed (seeds are
-never reused). A request that fails after taking its slot (its prompt refused, the engine raised)
-gives the slot back and records nothing. A served call is recorded under the same lock, its
-`call_idx` its place in the record, so an episode's calls (its steps) are numbered 0..n-1 without a
-gap, in the order they were served, and never more than `max_calls`.
+Each episode has its own bearer token; a request is served and recorded only under an open episode's token.
+Token ids are never re-derived from text the agent did not change, so an episode packs into one training
+sequence. The engine is called as the agent loop calls it (`batching.py`); each request samples with its own
+recorded seed and takes one of the episode's `max_calls` slots, its calls numbered 0..n-1 without a gap.
+Design notes: docs/architecture.md §11 (agent_core/gateway/core.py).
 """
 
 from __future__ import annotations

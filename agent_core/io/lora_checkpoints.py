@@ -1,24 +1,10 @@
 """LoRA checkpoints on disk: a policy that is a full base checkpoint plus a peft adapter.
 
-A LoRA checkpoint directory holds (format note for readers outside this package, e.g. the vLLM
-engine's `/v1/load_lora_adapter`, in agent_core/training/lora.py's docstring):
-
-- `adapter_config.json`: peft's LoraConfig (`r`, `lora_alpha`, `target_modules`, ...), as
-  `PeftModel.save_pretrained` writes it (`inference_mode: true`);
-- `adapter_model.safetensors`: the adapter weights under peft's saved names
-  (`base_model.model.<module path>.lora_A.weight` / `.lora_B.weight`), in the dtype trained;
-- `lora_base.json`: which full checkpoint (config.json + weights) the adapter goes on: `relative`
-  (from this directory, so a data root moved or copied as a whole still finds its base) and
-  `absolute` (where it was when saved, for a checkpoint copied out alone); the first that exists wins;
-- the tokenizer, like any policy checkpoint (so `load_tokenizer` works unchanged).
-
-No base weights are written: an iteration writes only its adapter (a few MB for rank 16 on a 0.5B
-model). `adapter_config.json`'s `base_model_name_or_path` is the absolute base path, for peft's own
-`PeftModel.from_pretrained`; this package reads `lora_base.json`.
-
-The adapter is injected in place (`peft.inject_adapter_in_model`), not wrapped (`get_peft_model`):
-the model stays the plain transformers class, whose `base_model` backbone the trainer's selective
-LM head calls (agent_core/training/scoring.py); peft's wrapper returns the LM's output there.
+A directory holds `adapter_config.json` and `adapter_model.safetensors` (as peft's `save_pretrained` writes
+them), `lora_base.json` (the base checkpoint's `relative` and `absolute` paths; the first that exists wins)
+and the tokenizer; no base weights. The adapter is injected in place (`peft.inject_adapter_in_model`), not
+wrapped (`get_peft_model`), so the model stays the plain transformers class.
+Design notes: docs/architecture.md §11 (agent_core/io/lora_checkpoints.py).
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """Stage manifests: when a stage's outputs are complete, and when a rerun may reuse them.
 
-A stage writes each output atomically (tables: `tables.write_table`; checkpoints: `save_policy`),
-then, last of all and also atomically, its manifest: a small JSON file naming the stage, a hash of
-its parameters (the config sections and numbers it was called with), a fingerprint of every input
-and the size and fingerprint of every output. The manifest is the commit record: a crash before it
-leaves the stage incomplete, whatever outputs already exist, and a rerun redoes the stage.
-
-A rerun of a flow skips a stage when its manifest exists, the parameter hash and input
-fingerprints equal the current ones, and every output still has its recorded size and fingerprint,
-checked again by every process that resumes (an output truncated, deleted, replaced or edited by
-hand is rebuilt; the size is the cheap first look, the content hash the real one). A changed
-config section or a changed input table reruns the stage, and since its outputs then change,
-everything downstream reruns too. So a damaged output redoes its stage and what depends on it.
-
-Where outputs are: a manifest lives in `<owner>/_manifests/<stage>.json`, its owner being the run,
-the iteration or the dataset folder the stage writes into, and it records each output under the
-owner relative to the owner (`steps.parquet`, `checkpoint`); an output elsewhere stays absolute.
-Read back, they are paths under wherever the owner is now: a data root copied or moved
-elsewhere checks (and reuses) its own files, never the ones at the old place. Manifests of format 1
-recorded absolute paths: such a path is re-rooted (the part after the owner's last two folder names,
-e.g. `runs/<id>/iteration=0`, is taken under the owner's current place); one that does not name the
-owner's folders is checked where it is. Re-rooting rather than discarding them keeps a moved or
-copied run resumable without redoing every stage, and never trusts a file at the old place.
-
-Fingerprints are SHA-256 over content, not modification times: a redone stage whose outputs come
-out byte-identical (a deterministic run) lets its downstream stages be skipped. Directories
-(checkpoints) hash their files' names and contents; hidden names (`.x.tmp-...`, leftovers of a
-killed writer) are ignored. Hashes are cached per (path, inode, size, mtime) within a process only,
-so a checkpoint read by several stages is hashed once, and a file changed in any way is hashed again.
+A stage writes each output atomically, then, last and atomically, its manifest
+(`<owner>/_manifests/<stage>.json`): the commit record, with a hash of its parameters and SHA-256 fingerprints
+of its inputs and outputs. A rerun skips a stage only when all of these still match; else it and everything
+downstream rerun. Outputs are recorded relative to their owner, so a moved data root checks its own files.
+Design notes: docs/architecture.md §11 (agent_core/io/manifests.py).
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
-"""The MLflow SQLite store of a data root as a file: created whole, and re-rooted when the data root
-has moved (docs/architecture.md §8).
+"""The MLflow SQLite store of a data root as a file: created whole, and re-rooted when the data root has moved
+(docs/architecture.md §8).
 
-A data root holds its store and its artifacts side by side: `<root>/mlflow.db` and
-`<root>/mlartifacts/`. MLflow 3.17 writes every artifact location into the store as an absolute
-URI: the experiment's `artifact_location`, each run's `artifact_uri` (the experiment's plus the run
-id), each model version's `source` and `storage_location` (the run's plus the artifact path), and a
-logged model's `artifact_location`. After the folder is moved or copied those still name the old
-place: a registered version fails to load ("No such artifact: ''") and a resumed run logs its
-artifacts to the old folder, creating it again.
-
-Relative locations do not help: MLflow resolves a relative `artifact_location` against the
-current directory when it creates the experiment (it stores the absolute result), and a relative
-version `source` is stored as given but downloaded relative to the current directory of whoever
-loads it (`mlflow.pyfunc.load_model`, `mlflow models serve`), not relative to the store. So the
-locations stay absolute and are rewritten on open instead: `reroot_store` finds the experiments
-whose artifact root is `<old>/mlartifacts` for another folder than the store's own and rewrites
-that prefix to `<root>/mlartifacts` in the columns above, in one SQLite transaction (a
-concurrent writer waits for it; a killed rewrite leaves the old values, to be rewritten by the
-next open). After that MLflow's own readers (`models:/` URIs in `mlflow.pyfunc.load_model` and
-`mlflow models serve`) resolve to the new place too. A store in place costs one read per open
-and writes nothing.
-
-Loading a registered version reads the store and writes nothing into it: `registered_checkpoint`
-(model_registry.py) copies the version into `<root>/models/`, and MLflow's own
-`mlflow.pyfunc.load_model("models:/...")` loads a local version in place, writing only its two-line
-`registered_model_meta` (name and version) beside the model (tests/test_moved_data_root.py).
-
-Only a store whose artifact root sits beside it is re-rooted: a store named by
-`tracking.tracking_uri` elsewhere may serve several data roots, and its locations are left alone.
-No mlflow import here: the check runs before anything opens the store.
+MLflow stores artifact locations as absolute URIs, so a moved or copied data root (`<root>/mlflow.db` beside
+`<root>/mlartifacts/`) names the old place; `reroot_store` rewrites that prefix on open, in one transaction. A
+store whose artifact root is not beside it is left alone. No mlflow import: this runs before the store opens.
+Design notes: docs/architecture.md §11 (agent_core/io/mlflow_store.py).
 """
 
 from __future__ import annotations

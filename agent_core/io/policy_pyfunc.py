@@ -1,23 +1,10 @@
 """The code of every registered policy model (MLflow "models from code"; docs/architecture.md §8).
 
-`agent_core.io.model_registry.save_policy_model` copies this file into each logged model, so a
-loaded model needs mlflow, torch and transformers, not this package: nothing here imports
-agent_core. Nothing in the pipeline imports this module either (MLflow executes it when it saves
-and loads a model; the `set_model` call at the bottom is what it looks for).
-
-The model's one artifact, "checkpoint", is the policy's transformers `save_pretrained` directory
-(weights, config, tokenizer with its chat template). `predict` takes
-
-- a string, or a list of strings: raw prompts, continued as text (no chat template);
-- a list of {"role", "content"} dicts: one conversation, rendered with the tokenizer's chat
-  template and an open assistant turn (how the agent sees its prompts);
-- a list of such conversations, a list of {"prompt": ...} / {"messages": ...} records, a dict of
-  those columns, or a DataFrame with a `prompt` or `messages` column (what `mlflow models serve`
-  passes for `dataframe_records`),
-
-and returns one generated string per prompt: the new tokens only, special tokens dropped (the
-tool tags <search>, <answer> ... are not special, so they stay). Params: `max_new_tokens`,
-`temperature` (0: greedy, the default, as the pipeline evaluates) and `top_p`.
+`agent_core.io.model_registry.save_policy_model` copies this file into each logged model, so nothing here
+imports agent_core, and nothing in the pipeline imports this module (MLflow executes it and looks for the
+`set_model` call at the bottom). The one artifact, "checkpoint", is a transformers `save_pretrained`
+directory; `predict` takes prompts or chat conversations and returns one string (new tokens only) per prompt.
+Design notes: docs/architecture.md §11 (agent_core/io/policy_pyfunc.py).
 """
 
 from __future__ import annotations

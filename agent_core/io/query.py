@@ -1,29 +1,10 @@
 """SQL over every table of a data root, with DuckDB (docs/architecture.md §1, §5).
 
-`open_catalog` gives a read-only in-memory DuckDB catalog with one view per table
-(`agent_core.io.readonly_sql`: every user's SQL runs there, one SELECT that can read only these
-tables' files):
-- run tables (`prompts`, `steps`, `rewards`, `advantages`, `train_metrics`, `health`, `ledger`,
-  `dev_eval`: `query_files.run_table_names`) over `<root>/runs/<run_id>/iteration=<k>/<table>.parquet`,
-  all runs and iterations at once;
-- dataset tables `dataset_prompts` and `corpus` over `<root>/datasets/<id>/{prompts,corpus}.parquet`;
-- the `eval` table over `<root>/evals/<eval_id>/<method>/seed=<s>/eval.parquet`, every evaluation.
-
-Where this differs from the obvious `read_parquet('runs/*/iteration=*/steps.parquet',
-hive_partitioning=true)`:
-- Hive partitioning is OFF. With it on, DuckDB replaces the table's own `iteration` column by the
-  folder's value, typed BIGINT (checked on DuckDB 2.0.0), so users would see the path, not the
-  data, and a different type from the schema. Every row already carries `run_id` and `iteration`,
-  so the table's own columns are the ones shown, with their Parquet types.
-- Files are listed in Python (agent_core/io/query_files.py), and any path with a component starting
-  with '.' is skipped: writers write `.<name>.tmp` and rename it into place, and DuckDB's `*`
-  matches hidden names. Only known table names become views; a stray file or a symlink out of the
-  tables is ignored with one warning naming it (`IgnoredFileWarning`).
-- Each query reads a snapshot: hard links to the files it lists, made when it starts, so a table
-  replaced while the query runs is read whole, old or new, never mixed (`open_catalog`).
-- A table with no file yet is an empty view with the columns of its schema
-  (`schemas.TABLES[name].arrow_schema`), so a query never fails only because a stage has not run.
-  A table with neither files nor a schema gets no view (the error lists the views that exist).
+`open_catalog` gives a read-only DuckDB catalog (`agent_core.io.readonly_sql`), one view per run, dataset and
+eval table. Where it differs from the obvious `read_parquet(..., hive_partitioning=true)`: Hive partitioning
+is off (the tables' own columns and types are shown), files are listed in Python (hidden paths skipped), each
+query reads a hard-link snapshot, and a table with no file yet is an empty view of its schema.
+Design notes: docs/architecture.md §11 (agent_core/io/query.py).
 """
 
 from __future__ import annotations

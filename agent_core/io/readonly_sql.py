@@ -1,34 +1,10 @@
-"""Read-only SQL: the one way SQL written by a user reaches DuckDB (`agentr1 query`,
-`warm_start.select_sql`, and any later user-written check).
+"""Read-only SQL: the one way SQL written by a user reaches DuckDB (`agentr1 query`, `warm_start.select_sql`,
+and any later user-written check).
 
-A user's SQL is an injection path: a pasted `COPY (...) TO '<a run's table>'` overwrote a table,
-`COPY ... (PARTITION_BY ..., OVERWRITE)` deleted files, `ATTACH` created one, `read_text('/etc/...')`
-answered and `INSTALL httpfs` reached the network. Two locks, each enough for most of these:
-
-1. By statement type, before anything runs (`check_select`): exactly one statement, a SELECT
-   (`WITH ... SELECT`, `FROM t`, `VALUES`, `DESCRIBE`, `SUMMARIZE` parse as SELECT too). COPY,
-   EXPORT, ATTACH, INSTALL/LOAD, SET/RESET, PRAGMA, CALL, CREATE, ... are refused unrun.
-2. By DuckDB itself, for what a SELECT can still reach (table functions such as `read_text`,
-   `read_csv`, `glob`, `read_parquet` of any path): the connection (`ReadOnlyCatalog`) lists the
-   view files in `allowed_paths`, then turns external access off (every other file, directory and
-   URL is refused), extension installs and loads off, Python replacement scans off (a query cannot
-   read the caller's variables), and locks the configuration (`RESET`/`SET` refused from then on).
-   DuckDB lets a connection write the paths it may read (`COPY ... TO '<view file>'
-   (USE_TMP_FILE false)` would pass this lock), so the statement check is what stops writes: user
-   SQL goes through `ReadOnlyCatalog.select`/`relation` only, never to the connection itself.
-
-Results are written by our code (`agentr1 query --output`), never by DuckDB.
-
-Resources (issue 39): DuckDB's temporary folder is a private one under the system's temp (by
-default it is `<current folder>/.tmp`, which a query could read), removed on close; the memory
-limit defaults to a quarter of the machine's (or the cgroup's) memory (`default_memory_limit`);
-`select` runs the query in a worker thread so that Ctrl-C (KeyboardInterrupt in the main thread)
-or a timeout interrupts it (`QueryInterrupted`), where DuckDB alone ignored Ctrl-C for minutes.
-
-Errors are one line (`QueryError`). A table file DuckDB cannot read (truncated, garbage) is named
-by its real path, with its view, even when the view reads a snapshot hard link of it: the view
-over a damaged file is still created (it re-reads its files at each query, see
-`_create_deferred_view`), so only the queries that touch it fail and the other views answer.
+Two locks: `check_select` refuses, unrun, all but exactly one SELECT; the connection (`ReadOnlyCatalog`) reads
+only the view files in `allowed_paths`, with external access, extensions, replacement scans and config changes
+off. User SQL goes through `ReadOnlyCatalog.select`/`relation` only: the statement check is what stops writes.
+Design notes: docs/architecture.md §11 (agent_core/io/readonly_sql.py).
 """
 
 from __future__ import annotations

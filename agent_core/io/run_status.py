@@ -1,20 +1,10 @@
 """A run's status for `agentr1 runs`: running, finished, failed or killed, with its progress.
 
-The training flow records how it ended in `runs/<id>/status.json` (finished, or failed with the
-error); a live writer holds the run's lock. A run that is not locked and recorded no end was
-stopped from outside (SIGKILL, a lost machine) and reads as killed. Iterations count the
-iterations whose tracking stage committed (the last stage of an iteration).
-
-A finished run stays finished when a later command on it (a resume) fails without committing any
-stage (`record_run_failure`): it changed none of the run's outputs, so the run is what it was. Such
-a command may have failed on a file damaged since the run finished, on a bad override or on a
-machine that went away; none of that is the run's failure. A resume that did commit a stage (it
-redid damaged outputs, or went on with more iterations) and then failed leaves the run part old,
-part new: that one is recorded failed, and the next resume finishes the work.
-
-One damaged run never hides the others (`list_runs`): a file that cannot be read (a truncated
-dev_eval table, a config.yaml that is no mapping, a status.json with no known end) shows as `?` in
-its run's row (a damaged end record reads as killed) and is named in one line; `.`-folders are skipped.
+The training flow records how it ended in `runs/<id>/status.json`; a live writer holds the run's lock, and a
+run neither locked nor recorded as ended reads as killed. A finished run stays finished when a later command
+on it fails without committing any stage (`record_run_failure`). In `list_runs` a file that cannot be read
+shows as `?` in its run's row and is named in one line.
+Design notes: docs/architecture.md §11 (agent_core/io/run_status.py).
 """
 
 from __future__ import annotations

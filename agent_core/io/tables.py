@@ -1,20 +1,10 @@
 """Reading and writing the pipeline's tables as Parquet files: validated both ways, written atomically.
 
-The only module that reads or writes table files. A table is checked against its schema
-(`schemas.validate`) before anything touches the disk, written to a hidden temporary file in the
-target folder (`.<name>.<random>.tmp`: a leading dot and no `.parquet` ending, so neither a
-`*.parquet` glob nor a `*/steps.parquet` one ever matches it), flushed and fsynced, then renamed
-over the target with `os.replace`, which is atomic on one filesystem: a reader sees the old
-table or the new one, never half of either. Reads check the table again, so a file edited or
-written by other code cannot feed a stage bad rows. A stage writing several tables uses
-`write_tables`, which checks them all before writing any.
-
-One exception to checking every table on read as well as on write: a file this process
-checked and wrote itself, still the same file (inode, size and modification time of the open
-file unchanged), is not checked again when it reads it back; a file replaced or edited since, or
-written by another process, is. Checking costs 20-40 ms per table however small (pandera's
-per-column work), and a training iteration reads its own tables back about ten times: that was
-~0.27 s of a 4.7 s iteration of the demo policy (bench/overhead.py).
+The only module that reads or writes table files. A table is checked against its schema, written to a hidden
+temporary file in the target folder, fsynced and renamed over the target (`os.replace`); reads check it again,
+except a file this process checked and wrote itself and that is unchanged since. A stage writing several
+tables uses `write_tables`, which checks them all before writing any.
+Design notes: docs/architecture.md §11 (agent_core/io/tables.py).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """MLflow tracking for training runs (docs/architecture.md §8): one MLflow run per pipeline run.
 
-Every call goes through an `MlflowClient` bound to an explicit tracking URI and takes the MLflow run
-id as an argument. Nothing here uses mlflow's module-level active-run state (`mlflow.start_run`,
-`mlflow.log_metric`), because Prefect tasks may run in other threads or processes, where that
-global state is absent or belongs to somebody else.
-
-Resuming is the normal case, not an exception: a flow rerun after a crash calls `start_run` with
-the same pipeline run id and gets the same MLflow run back (found by the tag `agentr1.run_id`), and
-`register_checkpoint` for an iteration that is already registered returns the existing version.
-
-Differences from the plain MLflow recipes:
-- A checkpoint is saved as an MLflow model (`agent_core/io/model_registry.py`) and logged as the
-  run's artifacts under a fixed path, then registered with `create_model_version` pointing
-  `source` at that artifact URI; not with `log_model` + `register_model`, which would create a
-  second logged model when a run killed between the two is resumed.
-- Parameter values longer than MLflow's limit are cut (with a visible marker) instead of failing.
-- A data root's store is re-rooted when it is opened (`mlflow_store.reroot_store`): after the data
-  root was moved or copied, runs, versions and new artifacts resolve under where it is now, and a
-  resumed run writes nothing to the old place.
+Every call goes through an `MlflowClient` bound to an explicit tracking URI and takes the MLflow run id as an
+argument; nothing here uses mlflow's module-level active-run state. Resuming is the normal case:
+`start_run` with the same pipeline run id returns the same MLflow run, and re-registering an iteration returns
+its version. Unlike the plain MLflow recipes, a checkpoint is registered with `create_model_version`.
+Design notes: docs/architecture.md §11 (agent_core/io/tracking.py).
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
 """The multi-step agent loop: many episodes against one engine, one step = one LLM call + env answer.
 
-Scheduling is event-driven, so every unfinished episode's next request is in flight and one slow
-tool or long episode does not stall the others (docs/architecture.md §6). An engine taking N > 1
-calls at once (`concurrent_calls`: a server batching across calls) gets a pool of N threads; a
-one-call engine (hf) runs on the calling thread: on a second thread torch would give it a second
-OpenMP team, and two teams on 2 cores ran hf generate 35% slower (bench/rollout.py). Env steps
-(tool calls) run in a pool of `env_workers` threads, so tools run while the engine generates.
-The calling thread waits for whichever call or env step finishes first, applies it to its episode,
-and dispatches: when an engine slot is free, all ready episodes go out as one `generate` call if
-  (a) no env step is pending (nothing else could join the call), or
-  (b) the engine has been free with episodes ready for `straggler_wait_s` (a straggler tool does
-      not hold up the others longer than that, counted from when a call could first be sent), or
-  (c) the engine takes concurrent calls (it batches across calls itself, so waiting gains nothing).
-Rules (a) and (b) keep the serial engine's batches large: fast tools come back within
-milliseconds of each other, and without the wait the first episode back would be generated alone
-while the rest queue behind it. With a serial engine and a large `straggler_wait_s` every call
-holds all unfinished episodes (lock-step turns), in episode order, so seeded sampling is
-reproducible run to run; otherwise which episodes share a call depends on timing. Call n (from 0)
-samples with seed `sampling.seed + n`. An exception from `generate` ends the rollout at once
-(queued work is cancelled, running work is not waited for).
-
-Each step's info records `env_seconds` (the env step), `generate_seconds` (the generate call that
-produced its action) and `queue_seconds` (how long the episode waited ready before that call).
-`RolloutTimings` adds up what the loop did while no call was in flight (bench/rollout.py). To keep
-that small, a call's actions are decoded in one batched call and an observation is encoded with one
-tokenizer call (`ObservationEncoder` renders the template's glue once per kind of observation).
-
-Nothing an env or the model produces escapes as an exception: text is made UTF-8-safe and JSON
-columns storable (`agent_core.rollout.records`) before anything reaches the tokenizer or a table,
-so one bad sample ends at most its own episode, never the rollout (tests/test_fuzz_agent_loop.py).
-
-What one step does to its episode (token-id contexts, budgets, anchors, the step record) is
-agent_core/rollout/episode_steps.py; this module schedules the steps of many episodes.
+Scheduling is event-driven: every unfinished episode's next request is in flight, so one slow tool or long
+episode does not stall the others; env steps run in `env_workers` threads and ready episodes go out together
+as one `generate` call (dispatch rules, `straggler_wait_s`: design notes). Nothing an env or the model
+produces escapes as an exception. What one step does to its episode is agent_core/rollout/episode_steps.py.
+Design notes: docs/architecture.md §11 (agent_core/rollout/agent_loop.py).
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """Token-in/token-out chat rendering for multi-turn episodes, with tools and injection-safe content.
 
-An episode's context grows by appending ids: context + sampled action ids + observation ids. For
-training to see exactly what the policy saw, and for a packed episode to equal the chat template's
-rendering of the whole conversation, the observation ids must carry the template's own turn glue
-(end of the assistant turn, the observation turn(s), the next generation prompt).
-
-The glue is not hard-coded for ChatML: `encode_observation_messages` renders a dummy conversation
-[user, assistant, *observation messages] through the tokenizer's chat template and keeps what
-follows the assistant's end-of-turn token, so any ChatML-like template works (ours, SmolLM2's,
-Qwen2.5's, which merges consecutive tool messages into one user turn). Templates that rewrite
-earlier assistant turns when a later turn is added (e.g. ones that strip reasoning from history)
-cannot be rendered incrementally at all; for them the ids still follow the template's glue.
-
-Where this differs from `apply_chat_template(tokenize=True)`: message contents are encoded as
-plain text. A tool result or question that contains "<|im_end|>\\n<|im_start|>assistant" must not
-become the template's control tokens, so the template is rendered twice, once with the contents and
-once with placeholder markers in their place; the markers show which text is the template's glue.
-Glue is cut at the tokenizer's special tokens; each run of text between them (glue text plus
-contents) is encoded with special-token matching switched off. Runs end exactly where the
-tokenizer itself splits text at special tokens, so for contents without special-token text the ids
-equal the plain rendering's ids. Added tokens that are not special (e.g. `<tool_call>`, `<search>`)
-still match in contents, as they do when the policy samples them. Runs are encoded on their own,
-which is right for byte-level BPE (GPT-2, Qwen, SmolLM2 and our tokenizer) but not for SentencePiece
-tokenizers that prepend a space to every encode call.
+An episode's context grows by appending ids; observation ids carry the chat template's own turn glue, cut from
+a rendering (`encode_observation_messages`), so any ChatML-like template works. Unlike
+`apply_chat_template(tokenize=True)`, message contents are encoded as plain text (special-token matching off),
+so a content cannot become the template's control tokens. Right for byte-level BPE, not SentencePiece.
+Design notes: docs/architecture.md §11 (agent_core/rollout/chat.py).
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Context management: how an episode's next context is built from its turns (docs/architecture.md §2).
 
-Context management is part of the transition, so what the policy is trained on is exactly what it
-saw: the agent loop records the ids this module returns as the step's `prompt_ids`. Everything is
-token ids; an action is never decoded and re-encoded.
-
-An episode's context is its `head` (the opening conversation ending with the generation prompt)
-followed by its turns, each turn being `action ids + observation ids` where the observation ids
-carry the template's glue (end of the assistant turn, the observation turn, the next generation
-prompt). Any suffix of whole turns after the head is therefore a well-formed conversation too.
-
-Modes:
-- "append" (default): head + every turn. Each context extends the previous one (prefix_shared),
-  so an episode can be packed into one training sequence.
-- "last_k": head + the last `keep_last_turns` turns. Once a turn is dropped the next context no
-  longer extends the previous one, and the step records prefix_shared=False.
-Independently, `max_observation_tokens` cuts each observation's text before it is rendered (see
-`truncate_text`), and the loop ends an episode whose next context would not fit the budget.
-
-Where this differs from Agent-R1: the paper's context is always append-everything; the window and
-the observation cut are the kinds of context management its MDP formulation allows for.
+All token ids; the agent loop records the ids returned here as the step's `prompt_ids`, so the policy is
+trained on exactly what it saw. Modes: "append" (default: head + every turn, each context extends the last)
+and "last_k" (head + the last `keep_last_turns` turns). Differs from Agent-R1, whose context is always
+append-everything: the window and the `max_observation_tokens` cut are extras its MDP formulation allows.
+Design notes: docs/architecture.md §11 (agent_core/rollout/context.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """One episode of the agent loop (agent_core/rollout/agent_loop.py schedules many): its settings,
 its state, how it opens, and how one generation plus the env's answer becomes its next step.
 
-Contexts are token ids end to end: the next context is built by `agent_core.rollout.context` from
-the exact ids of the previous context, the sampled action and the rendered observation, never from
-re-encoded text (docs/architecture.md §6). The ids each call received are recorded as the step's prompt_ids.
-
-Budgets belong to the loop, not to envs: an episode ends when the env says done ("answered"), when
-the env raises or answers with an unusable EnvStep ("error"; the exception is recorded in info and
-the rollout goes on), after `max_steps` LLM calls ("max_steps") or when the next context plus one
-action would not fit in `max_context_tokens` ("max_context"). The last two are truncations (the
-agent was cut off, the task did not end) and are recorded with truncated=True. Tool-call budgets
-(per action, per episode) and per-call timeouts are the env's: the loop only sees text.
-
-Each step records the anchor of the state it STARTS from (GiGPO, agent_core/algos/gigpo.py): step 0
-the opening context's token ids, hashed (the state every episode of a group shares), step t the
-`anchor` the env returned with step t-1 (None if it gave none).
+Contexts are token ids end to end, never re-encoded text (docs/architecture.md §6). Budgets belong to the
+loop, not to envs: an episode ends "answered", "error", "max_steps" or "max_context" (the last two are
+truncations). Each step records the anchor of the state it STARTS from (GiGPO, agent_core/algos/gigpo.py).
+Design notes: docs/architecture.md §11 (agent_core/rollout/episode_steps.py).
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """The in-process engine: transformers `generate` with a KV cache and left padding (docs/architecture.md §6).
 
-Token ids in, token ids + log-probs out. Log-probs are computed from the raw logits that
-`generate` returns (output_logits=True), as log_softmax(logits / temperature) at the sampled
-token, i.e. the temperature-scaled distribution before top-p truncation. With top_p = 1 (the
-default for RL) that is exactly the sampling distribution, which is what PPO ratios need. Greedy
-decoding (temperature 0) records log-probs at temperature 1. vLLM by default reports log-probs of
-the unscaled logits instead (docs/architecture.md §10); the two agree at temperature 1.
-
-Generation is fully specified by an explicit GenerationConfig; the model's own generation config
-is set aside during the call, so no checkpoint default (top_k=50, repetition penalty, min_p)
-silently changes what is sampled.
-
-KV reuse (`kv_reuse_bytes` > 0, rollout.hf.kv_reuse): the engine keeps each session's (episode's)
-cache between calls and prefills only what its next prompt appended (agent_core/rollout/kv_reuse.py);
-the agent loop and the gateway name each prompt's session (`routes_sessions`). Static cache
-(`cache="static"`): a preallocated cache of a bucketed length per call, so transformers compiles its
-decode step once per bucket on CUDA; a model without one falls back to the dynamic cache.
-
-A seeded call samples each prompt from its own random stream (`_PerPromptSampler`): prompt i's
-tokens come from a generator seeded with its seed (`seeds_of`), drawn on the CPU, so they do not
-depend on which prompts share the call or its `max_batch_size` chunk, and the global RNG is never
-touched. An unseeded call samples with transformers' own multinomial from the global RNG.
+Token ids in, token ids + log-probs out: log_softmax(logits / temperature) at the sampled token, before top-p
+(greedy: temperature 1); vLLM by default reports unscaled ones (docs/architecture.md §10). An explicit
+GenerationConfig replaces the model's own. Optional: per-session KV reuse, static cache. A seeded call samples
+each prompt from its own CPU random stream; the global RNG is never touched.
+Design notes: docs/architecture.md §11 (agent_core/rollout/hf_engine.py).
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """Observation ids at one tokenizer call per step: `chat.encode_observation_messages` with its glue cached.
 
-`encode_observation_messages` (the reference) renders two probe conversations through the chat
-template, looks up the tokenizer's vocabulary and encodes each text run on every call: about a dozen
-tokenizer calls per agent step (tests/test_incremental_encoding.py counts them).
-None of that depends on the observation's text. The template's glue after an assistant turn is cut
-from a rendering whose contents are all markers, so it is a function of the observation messages'
-roles and the tools alone; the end-of-turn token and the special-token pattern are fixed per
-tokenizer. `ObservationEncoder` therefore works it out once per kind of observation, a `_Plan`:
-the glue's text and special-token ids, with slots for the contents. A step then joins the
-contents into the glue's text runs and encodes all runs in one batched call.
-
-A kind is (roles, tools, which contents are empty or whitespace only). The plan is built by the
-reference's own code on probe contents, so it cuts glue exactly as the reference does; a probe
-padded with whitespace shows whether the template trims a content (`| trim`), as the reference
-finds out by matching each content against the rendering. Empty and whitespace-only contents are
-kinds of their own: a template may branch on them (`if message.content`), and the probe then
-renders the glue the template writes for them, or finds that the reference would refuse them.
-Whatever the reference cannot split (it raises) gets no plan: such steps go through the reference,
-which raises the same error.
-
-The one assumption beyond the reference's: that a template's glue does not depend on a content's
-text other than through its emptiness. It holds for ChatML, SmolLM2's and Qwen2.5's templates; one
-that branched on, say, a substring of a tool result would get the probe's glue here where the
-reference refuses the step (its glue and markers disagree).
+`ObservationEncoder` works out the template's glue once per kind of observation (roles, tools, which contents
+are empty or whitespace only), a `_Plan`, with the reference's own code on probe contents; a step then encodes
+all its text runs in one batched call. What the reference cannot split goes through the reference. The one
+assumption beyond the reference's: a template's glue depends on a content's text only through its emptiness.
+Design notes: docs/architecture.md §11 (agent_core/rollout/observation_encoder.py).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """The vLLM engine: token ids in, token ids + log-probs out, through a vLLM server (docs/architecture.md §6).
 
-Requests go to `/v1/completions` with prompts as token-id lists and `return_token_ids`, so the
-sampled ids come back as ids (re-tokenizing the returned text gives other ids; docs/architecture.md §10).
-The server runs with `--logprobs-mode processed_logprobs`, so the recorded log-probs are those
-of the temperature-scaled distribution that was sampled, as the HF engine records them. Two
-differences from the HF engine, both documented on `generate`: with top_p < 1 vLLM's log-probs
-are those of the truncated, renormalised distribution; greedy calls (temperature 0) record vLLM's
-processed log-probs rather than temperature-1 ones.
-
-Servers outlive a rollout: one server per (interpreter, architecture, context length) is kept
-in a process-wide pool, and the next policy checkpoint's weights are loaded into it in place
-(`VLLMServer.reload`), which takes milliseconds instead of a ~35 s restart. `shutdown_servers`
-(also run at interpreter exit) stops them; flows call it when they end.
-
-Between rollouts (the last open engine on a server closed: the rollout ended, training starts) a
-kept server sleeps when `sleeps_between_rollouts` (GPU; rollout.vllm.sleep_mode), so the trainer on
-the same device gets its memory; `pooled_server` wakes it before loading the next policy, and a
-generate call never reaches a sleeping server. A LoRA policy's adapter is loaded under a new name
-per version and the requests name it (vllm_server.py).
+Prompts go to `/v1/completions` as token-id lists with `return_token_ids`; log-probs are vLLM's
+`processed_logprobs`, as the HF engine records them except with top_p < 1 and greedy calls (see `generate`).
+Servers outlive a rollout: a process-wide pool, new weights loaded in place (`VLLMServer.reload`), a kept
+server asleep between rollouts on GPU; `shutdown_servers` stops them.
+Design notes: docs/architecture.md §11 (agent_core/rollout/vllm_engine.py).
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """A vLLM OpenAI-compatible server as a child process: start, wait for health, reload weights, stop.
 
-vLLM lives in its own virtualenv (`make vllm` builds `.venv-vllm`): its pins (fastapi, numpy,
-transformers) clash with the pipeline's, so it never shares our interpreter (docs/architecture.md
-§10). The server binds 127.0.0.1 only, runs in its own process group (stopping the
-API server alone would orphan its engine processes) and its output goes to a bounded in-memory
-buffer whose tail is quoted when the server fails.
-
-New weights: `reload` asks the running server to load a checkpoint directory in place
-(`/collective_rpc` with our worker extension, then `/reset_prefix_cache`, whose cached KV blocks
-belong to the old weights); `restart` is the fallback when the architecture changes or the
-server refuses. The worker extension (`vllm_ext/agentr1_vllm_ext.py`, imported by vLLM's workers,
-not by us) also re-packs the output layer after a reload, which the CPU backend keeps as a separate
-copy for models with tied embeddings.
-
-A LoRA policy (a checkpoint folder with peft's adapter_config.json, agent_core/rollout/vllm_checkpoints.py)
-runs on a server started on its base model with `--enable-lora`; each version's adapter is loaded
-at runtime under a new name (`load_adapter`), and requests name it as their model (`model_name`).
-Sleep (`sleep` / `wake_up`, `--enable-sleep-mode`, GPU only: vLLM refuses the flag on CPU) frees
-the server's GPU memory while the trainer runs on the same device.
+vLLM runs from its own virtualenv (`.venv-vllm`; its pins clash with ours), bound to 127.0.0.1, in its own
+process group. `reload` loads a checkpoint into the running server in place (`restart` is the fallback); a
+LoRA policy runs on its base model with `--enable-lora`; `sleep` / `wake_up` free its GPU memory (GPU only).
+Design notes: docs/architecture.md §11 (agent_core/rollout/vllm_server.py).
 """
 
 from __future__ import annotations

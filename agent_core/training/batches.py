@@ -1,29 +1,10 @@
 """Training sequences, the two training layouts (step rows, packed episodes) and padded micro-batches.
 
-A ``TrainSequence`` is one row of a policy update: token ids with, position for position, the
-action mask, the log-probs of the sampling policy and the advantages (zeros where the engine
-produced no log-prob and the estimator no advantage), plus optional reference log-probs, critic
-values and returns (None when not used), and where its response region starts (the tokens a
-mask that is off covers, ``agent_core.algos.masks``): packed, after the first prompt; a step
-row, at the observation values on its prompt suffix, else at its response.
-
-Two layouts (docs/architecture.md §2), chosen per episode by ``choose_layout``:
-
-- **step rows** (``step_sequence`` / ``episode_step_sequences``): one row per agent step,
-  prompt + response. Works with any context management; costs one forward pass per step.
-- **packed** (``episode_sequence``): all steps of an append-only episode (each step's prompt
-  starts with the previous prompt + response) in one row = the last prompt + response, with the
-  action mask on every response span. One forward pass; the same log-probs for the same tokens.
-
-Observation values (the advantage-mask-off ablation): a step may carry ``obs_advantages``,
-``obs_returns``, ``obs_values`` for the observation tokens that follow its response. Packed, they
-sit at those tokens' positions; as step rows, they belong to the next step's prompt suffix, where
-``episode_step_sequences`` puts them (and where that row's response region starts). With the
-masks on, they never reach a loss.
-
-Alignment: position t holds values for token t itself (its log-prob given tokens < t), matching
-``agent_core.training.scoring.sequence_logprobs``; nothing is shifted here. A packed row is
-``agent_core.episodes.pack_steps``'s row, the same alignment as the advantages grid.
+A ``TrainSequence`` is one row of a policy update: token ids with, position for position, the action mask,
+sampling log-probs and advantages, plus optional reference log-probs, values and returns. Layouts (chosen per
+episode by ``choose_layout``): step rows (one row per agent step) or packed (an append-only episode in one
+row). Position t holds values for token t itself (its log-prob given tokens < t); nothing is shifted here.
+Design notes: docs/architecture.md §11 (agent_core/training/batches.py).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The PPO critic: the policy's transformer backbone with a scalar value head, and batched scoring.
 
-``ValueModel`` = a copy of the policy's backbone (e.g. ``LlamaModel``, no LM head) +
-``Linear(hidden, 1)``, zero-initialised so every value starts at 0 (the returns' scale is then
-learnt rather than guessed from a random head). ``values`` uses the log-prob alignment of
-``agent_core.training.scoring.sequence_logprobs``: position t holds V(state before token t) =
-head(hidden state at t - 1), position 0 and padding hold 0. So the value, log-prob, advantage and
-return of token t all sit at index t.
-
-Where this differs from verl/OpenRLHF critics: those read the value at token t from the hidden
-state AT t (the state after the token). Here the state before the token is used, so the critic
-sees exactly the context the policy conditioned on when it chose token t.
-
-``build_critic`` (from a policy checkpoint) and ``load_critic`` put a ``ValueModel`` together from
-what ``agent_core.io.checkpoints`` reads; writing one is ``agent_core.io.checkpoints.save_critic``
-(the file format lives there, with the policy's).
-
-``score_logprobs`` (re-exported from agent_core.training.scoring) and ``score_values`` are the no-grad, eval-mode,
-token-budgeted scorers the advantages stage uses for reference log-probs and values.
+``ValueModel`` = a copy of the policy's backbone (no LM head) + ``Linear(hidden, 1)``, zero-initialised.
+``values`` follows the log-prob alignment of ``sequence_logprobs``: position t holds V(state before token t).
+Where this differs from verl/OpenRLHF critics: they read the value at t from the hidden state AT t (after the
+token). ``build_critic``/``load_critic`` build one; ``score_logprobs``/``score_values`` are no-grad scorers.
+Design notes: docs/architecture.md §11 (agent_core/training/critic.py).
 """
 
 from __future__ import annotations

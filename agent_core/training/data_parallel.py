@@ -1,42 +1,10 @@
 """Exact data parallelism for the PPO trainer over a torch.distributed process group.
 
-``DataParallel`` says which worker this process is (rank of world_size), which share of a step's
-micro-batches it runs, and does the step's collectives: the gradient sum (through torch's
-``DistributedDataParallel``), summing metric totals and agreeing on a skip. The trainer
-(``agent_core.training.trainer``) takes ``dp: DataParallel | None``; None (the ``SINGLE``
-convention) is one process: today's behaviour with no collective at all.
-
-Our part is the sharding; torch's DDP does the gradient sync:
-
-- The shard is a set of MICRO-BATCHES of one optimizer step, not a per-rank data loader. Every
-  rank builds the same micro-batches and the same loss normalizers over the whole step
-  (``agent_core.training.prepared``) and runs forward + backward on ``shard`` of them, on the
-  plain (unwrapped) module: its gradients accumulate locally, as under DDP's ``no_sync``. Each
-  micro-batch loss is already divided by the step's global token/sequence counts, so the SUM of
-  the ranks' gradients is exactly the 1-worker gradient for every loss aggregation mode, whatever
-  number of micro-batches each rank holds (none included). DDP's own reduction AVERAGES, which is
-  exact only for equal shards of a token mean.
-- ``sum_gradients`` then wraps the module in ``torch.nn.parallel.DistributedDataParallel`` for
-  one synchronising backward per step on every rank: a 1-token forward through the wrapper arms
-  its reducer and a zero-valued function of every trainable parameter fires each parameter's
-  hook once, so DDP all-reduces its buckets as they fill and copies back the sum of what the
-  micro-batches accumulated (a comm hook all-reduces with SUM: no division by the world size, no
-  rounding beyond the sum's own). This works the same on a rank that ran no micro-batch and
-  whatever the forward reaches. It runs once per step, after all
-  local micro-batches and before gradient clipping, so every rank clips and steps the same.
-- A parameter with no gradient on ANY rank gets None back (the zero-valued pass gives it a zero
-  gradient; a flag sum before the sync names those), so the optimizer skips it exactly as in one
-  process (AdamW would otherwise decay it and advance its moments).
-- The wrapper lives for one sync: the module stays a plain module between steps (scoring,
-  checkpoints, the critic and its optimizer see no wrapper), and its construction makes no
-  collective (``init_sync=False``: the ranks hold equal weights by construction, the same start
-  and the same summed steps; no per-iteration broadcast of the model) and costs about a
-  millisecond.
-- The skip decision (a non-finite loss or output on any rank) is agreed by a collective before
-  any gradient sync, so the ranks never diverge: either all step or none does.
-
-Pure torch.distributed (gloo on CPU, NCCL on GPU); the launcher (torchrun, Ray, a test's spawn)
-creates the process group.
+``DataParallel`` says which worker this process is (rank of world_size), which share of a step's micro-batches
+it runs, and does the step's collectives: the gradient sum (torch's DDP with a SUM comm hook), summing metric
+totals and agreeing on a skip. The shard is a set of micro-batches of one optimizer step, not a per-rank data
+loader. The trainer takes ``dp: DataParallel | None``; None (``SINGLE``) is one process.
+Design notes: docs/architecture.md §11 (agent_core/training/data_parallel.py).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """One training iteration from tables to checkpoint, in this process or on each data-parallel
 worker (the train stage, tasks/train.py, and agent_core/cluster/trainers.py run the same code).
 
-A `TrainJob` holds plain paths and settings (it travels to Ray workers). Every worker loads the
-same policy, optimizer state and sequences, runs `train_iteration` with its `DataParallel` share
-of each step's micro-batches (gradients summed, so all workers step identically), and only rank 0
-writes the checkpoint, optimizer state and critic, atomically, as a single process does.
-
-In one process with `keep_in_memory` (runtime.keep_policy_in_memory), what an iteration saved stays
-in memory (`resident.py`) and the next iteration, whose inputs are those files, uses it instead of
-loading them again; the files are still written every iteration and give the same parameters.
-
-In one process with `background_save` (runtime.background_save), the checkpoint and critic are
-written before `run_training` returns (the next rollout and advantages read them), and the
-optimizer states on the writer thread (agent_core/io/background.py), which the next
-`run_training` waits for before it reads anything.
-
-Placement: the policy and critic are loaded onto `job.device` (the run's `device` setting, resolved
-in the process that trains: agent_core/devices.py). A policy kept in memory is also offered to this
-process's hf engines (resident.offer), so the next rollout generates with this very module.
+A `TrainJob` holds plain paths and settings (it travels to Ray workers). Every worker runs `train_iteration`
+on its `DataParallel` share of each step's micro-batches; only rank 0 writes checkpoint, optimizer and critic.
+One process may also keep the policy in memory (`keep_in_memory`) and save in background (`background_save`).
+Design notes: docs/architecture.md §11 (agent_core/training/iteration.py).
 """
 
 from __future__ import annotations

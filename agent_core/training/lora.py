@@ -1,31 +1,10 @@
 """LoRA training of the policy (`policy.lora`): peft adapters injected in place, the reference as the
 same module with its adapters off, and checkpoints that hold only the adapter.
 
-Training: `inject_lora` puts a LoRA adapter (peft.LoraConfig from `policy.lora`: rank, alpha,
-dropout, target_modules) on the policy with `peft.inject_adapter_in_model`, so the model stays the
-plain transformers class (peft's `get_peft_model` wrapper would break the trainer's selective LM
-head, which calls the backbone directly: its forward returns the LM's output). Only the adapter's
-parameters require grad, so `make_optimizer` (trainable parameters only) steps the adapter alone
-and the optimizer state holds two moments of the adapter, not of the model.
-
-Reference: with LoRA the KL reference is the base model the adapter sits on (the run's start
-policy), so `adapter_disabled(model)` gives the reference log-probs from the policy's own module
-(peft's `enable_adapters(False)` on every LoRA layer, restored on exit): no second model in memory.
-
-On-disk format (agent_core/io/lora_checkpoints.py; what the vLLM engine loads per version with
-`POST /v1/load_lora_adapter {"lora_name": ..., "lora_path": <checkpoint dir>}`):
-
-    <checkpoint>/adapter_config.json        peft LoraConfig: r, lora_alpha, target_modules, lora_dropout,
-                                            base_model_name_or_path (absolute, informational)
-    <checkpoint>/adapter_model.safetensors  base_model.model.<module>.lora_A.weight [r, in] and
-                                            .lora_B.weight [out, r], float32
-    <checkpoint>/lora_base.json             {"format": 1, "relative": "../../initial_policy", "absolute": "..."}:
-                                            the full base checkpoint (resolve `relative` against the
-                                            checkpoint dir first); the vLLM server serves that base
-    <checkpoint>/tokenizer files            as in a full checkpoint
-
-Every version of a run shares one base (the start policy), so a server started on the base needs
-only each version's adapter. The registered MLflow model is the merged model (model_registry.py).
+`inject_lora` uses `peft.inject_adapter_in_model`, so the model stays the plain transformers class, and only
+the adapter's parameters require grad. `adapter_disabled(model)` gives the KL reference (the base model, the
+run's start policy) from the policy's own module. On-disk format: agent_core/io/lora_checkpoints.py.
+Design notes: docs/architecture.md §11 (agent_core/training/lora.py).
 """
 
 from __future__ import annotations

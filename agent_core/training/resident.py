@@ -1,28 +1,10 @@
 """Trained objects kept in memory from one iteration's training to the next (runtime.keep_policy_in_memory).
 
-Every iteration still writes its checkpoint and optimizer state (a resumed run, the rollout engines
-and the evaluation read them), but the process that wrote them need not read them back: after the
-save, `keep` holds the objects under the paths they were saved to and a stamp of those files
-(`agent_core.io.manifests.stat_stamp`: names, inodes, sizes, modification times), and the next
-iteration's `take` with the same paths gets them instead of loading. What is kept equals what a
-reload gives, tensor for tensor (tests/test_resident_policy.py): the weights are written in the
-dtype they are trained in (float32, which `load_policy` reads them as), the optimizer state is
-written whole, and `keep` puts the modules back into the train/eval modes they had when loaded.
-
-One entry per role ("policy": model, tokenizer, optimizer; "critic": critic, optimizer), so at most
-one extra copy of each is held. `take` always removes the entry: training changes the objects in
-place, so an iteration that fails (a non-finite update) must not leave a half-trained model for the
-next attempt, which then loads from disk as a fresh process would. Any mismatch (other paths, files
-rewritten since, other optimizer settings) drops the entry and the caller loads from disk.
-
-Data-parallel workers never use it (each is its own process and only rank 0 saves).
-
-Lending (one copy of the weights): the policy just saved is also `offer`ed under its checkpoint
-directory, and an hf engine built for that directory in this process borrows the module itself
-(`lend`) instead of loading a second copy (agent_core/run_resources.py installs `lend` as the engine
-factory's lender). A module is never trained while lent: `take` of a lent module leaves it to the
-engine and returns None (the trainer loads the files: a rollout overlapping training, runtime.max_staleness
->= 1, gets two copies, as before), and `lend` after a `take` finds nothing (the engine loads).
+Every iteration still writes its checkpoint and optimizer state; after the save, `keep` holds the objects with
+a stamp of those files and the next iteration's `take` with the same paths gets them instead of loading (equal
+to a reload, tensor for tensor). `take` always removes the entry; any mismatch drops it (the caller loads from
+disk). The saved policy is also `offer`ed, so an hf engine in this process can borrow it (`lend`).
+Design notes: docs/architecture.md §11 (agent_core/training/resident.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Numerical safety of training: why an update is skipped, when a run must stop, what may be saved.
 
-One NaN stepped into the weights makes every later forward pass NaN, and nothing says so until
-the next rollout samples garbage (or torch.multinomial fails far from the cause). So a non-finite
-value anywhere in an update (its input log-probs, advantages, reference log-probs, returns; the
-policy's own log-probs; the loss; the gradient norm) skips that optimizer step, and the skip
-reason (UpdateResult.skip_reason, then the `train_metrics` table) names what was non-finite.
-
-Skipping is a remedy for a stray batch, not for a diverged run. The train stage therefore calls
-two checks before it writes anything: ``check_nonfinite_updates`` (too many non-finite skips in a
-row, counted across iterations) and ``check_savable`` (every parameter finite, and the updated
-policy still gives finite log-probs: a huge learning rate leaves finite weights of 1e30 whose
-forward pass is NaN). Either raises ``NonFiniteTrainingError`` with what to try, so no later stage
-and no resumed run starts from a broken checkpoint.
-
-Reasons are plain strings (they are stored in a table); a reason is a non-finite one when it
-contains ``NONFINITE``. Functions here take plain values, tensors or results, never config objects.
+A non-finite value anywhere in an update skips that optimizer step, and the skip reason names what was
+non-finite. Before it writes anything the train stage calls ``check_nonfinite_updates`` and ``check_savable``;
+either raises ``NonFiniteTrainingError``. Reasons are plain strings (stored in a table); a reason is a
+non-finite one when it contains ``NONFINITE``. Functions here take plain values, never config objects.
+Design notes: docs/architecture.md §11 (agent_core/training/safety.py).
 """
 
 from __future__ import annotations

@@ -1,41 +1,10 @@
 """PPO optimizer steps and a PPO training iteration (token log-probs: agent_core.training.scoring).
 
-``ppo_update`` makes exactly one optimizer step per call: the sequences are split into
-micro-batches (gradient accumulation sized by tokens) whose losses use normalizers counted over
-ALL sequences of the step, so the accumulated gradient equals that of one big batch. A
-non-finite input (old/reference log-probs, advantages, returns), model output (log-probs,
-values), loss or gradient norm skips the step and says which (agent_core.training.safety). The
-micro-batch size is ``prepared.training_micro_batch_tokens`` (a CPU constant, or the CUDA
-device's free memory: agent_core.training.memory); a micro-batch that runs out of memory is split
-and retried (agent_core.training.oom) and counted in ``UpdateResult.oom_splits``.
-``train_iteration`` runs `epochs` passes of `mini_batches` such steps, with an optional
-KL-to-reference loss term, an optional critic (its own optimizer and clipped value loss) and an
-optional LR scheduler.
-
-Masks (agent_core/algos/masks.py): each loss-mask token is trained with the advantage stored for
-it, never zeroed here. With the loss mask off (the ablation) the observation tokens of a row's
-response region carry the advantage the advantages stage gave them (agent_core/algos/
-step_advantages.py), so they are trained with it; the critic's targets are the advantage-mask
-tokens.
-
-Where this differs from verl-style trainers: by default the "old" log-probs are the engine's
-sampling log-probs, which exist only on action tokens. With the loss mask off, tokens in the
-loss but outside the action have no sampling log-prob; they take the current policy's own
-(detached) log-prob, i.e. ratio 1 (exact for the first step of an iteration, a mild
-approximation for later ones), since a placeholder 0 would almost always be clipped away.
-With ``recompute_old_logprobs`` every position gets the policy's log-prob before the first step.
-The KL term and the measured KL run over loss-mask tokens that are also action tokens: only those
-have a reference log-prob.
-
-Data parallelism (``dp``, agent_core.training.data_parallel; None = one process, no collectives):
-every rank prepares the whole step (same micro-batches, same global normalizers) but runs
-forward + backward only on its ``dp.shard`` of the micro-batches, on the plain module (gradients
-accumulate locally); the ranks then agree on a skip (any rank's non-finite loss skips the step
-everywhere), sum their gradients before clipping through torch's DistributedDataParallel (one
-synchronising backward per step, a SUM comm hook: ``DataParallel.sum_gradients``) and sum their
-metric totals. So W workers take the same step, with the same metrics, as one worker on the same
-sequences, for every loss aggregation mode (float tolerance; tokens_per_s is the total throughput
-over this rank's wall time).
+``ppo_update`` makes exactly one optimizer step per call: token-sized micro-batches whose losses use
+normalizers over ALL sequences of the step; a non-finite input, output, loss or gradient norm skips the step
+(agent_core.training.safety). ``train_iteration`` runs `epochs` passes of `mini_batches` such steps. Unlike
+verl-style trainers, the "old" log-probs default to the engine's sampling log-probs (action tokens only).
+Design notes: docs/architecture.md §11 (agent_core/training/trainer.py).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """What a tool-call format reads out of an action, and the reading rule every format shares.
 
-An action (the decoded text of the policy's tokens) holds tool calls, a final answer, or neither.
-Formats differ only in how a call is written (a JSON object inside `<tool_call>` for hermes, a tag
-named after the tool for the tag format); the order rule is shared and follows Search-R1's reading order:
-
-- The action is read in the order it was written. An `<answer>...</answer>` block that starts
-  before every call ends the episode; calls after it are ignored. Once a call has been read, an
-  `<answer>` tag ends the reading: the answer and anything after it are ignored.
-- An `<answer>` with no `</answer>` never wins: later calls still count, and only if there are
-  none is it reported as "unclosed_tag" (so "<answer>x <search>q</search>" is a search).
-- An action may hold several calls. A malformed call is reported in `errors` and the well-formed
-  calls around it are kept. An unclosed call tag ends the reading (the rest is its content).
-- Reading stops at the format's result tag (`<tool_response>`, `<information>`) outside a call:
-  small models often go on to imagine the tool's answer, and calls written inside an imagined
-  result are not actions.
-
-Only the policy's action text is ever parsed: observations that contain call-like text are shown
-to the model, never read back as actions (tests/test_chat_tools.py shows it).
+An action (the decoded text of the policy's tokens) holds tool calls, a final answer, or neither. Formats
+differ only in how a call is written (hermes: JSON inside `<tool_call>`; tag: a tag named after the tool); the
+order rule is shared and follows Search-R1's reading order: the action is read as written, and reading stops
+at the format's result tag. Only the policy's action text is ever parsed, never observations.
+Design notes: docs/architecture.md §11 (agent_core/envs/formats/actions.py).
 """
 
 from __future__ import annotations
