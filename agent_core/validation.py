@@ -14,6 +14,7 @@ parsing, then `check_names`; the training flow checks the config it is handed as
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import re
 from pathlib import Path
@@ -29,6 +30,7 @@ from agent_core.config_errors import Problem, config_error
 from agent_core.data.oracle import oracle_config_problems
 from agent_core.devices import DeviceError, resolve_device
 from agent_core.drivers import DRIVERS
+from agent_core.envs.agent_program import ENV_NAME as PROGRAM_ENV, ProgramSpec
 from agent_core.envs.formats import FORMATS
 from agent_core.envs.registry import ENVS, check_env_spec, env_driver, check_tool_entries, check_tool_env_kwargs
 from agent_core.io.checkpoints import CheckpointError, check_checkpoint, policy_source_dir
@@ -166,7 +168,7 @@ def check_runnable(config: PipelineConfig, source: str = "config", overrides: Se
     Checked before a Prefect server starts or a run folder is made, so a bad path leaves nothing
     behind: the checkpoint the initial policy is copied from (`policy_source=False` skips it, for a
     run that has copied it already), vLLM's virtualenv when the engine is vllm, and the `device`
-    (a CUDA device this machine lacks).
+    (a CUDA device this machine lacks), and an agent program's command (its executable and script).
     """
     problems = _data_root_problems(config.data_root)
     problems += (_policy_problems(config) if policy_source else []) + _cluster_problems(config)
@@ -174,6 +176,9 @@ def check_runnable(config: PipelineConfig, source: str = "config", overrides: Se
         resolve_device(config.device)
     except DeviceError as error:
         problems.append(Problem("device", str(error)))
+    if config.rollout.env == PROGRAM_ENV and (why := ProgramSpec.from_env_kwargs(config.rollout.env_kwargs)
+                                              .missing(os.getcwd())) is not None:
+        problems.append(Problem("rollout.env_kwargs.command", why))
     engine = config.rollout.engine
     if engine in ENGINES and not config.cluster.replica_urls:  # external servers need nothing here
         if (why := engine_traits(engine).unavailable(config.rollout)) is not None:

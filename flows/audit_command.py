@@ -1,18 +1,26 @@
-"""`agentr1 audit --run-id R`: every health check of the run's recorded `audit:` section over its
-tables, every iteration, read-only (a running run is audited as it stands). Exit 0 when none fails,
-1 when one alerts or cannot run (a missing or damaged table: said in one line per check), 2 on a
-usage error (no such run: flows/cli.py)."""
+"""`agentr1 audit --run-id R [--checks FILE]`: every health check of the run's recorded `audit:`
+section (with FILE's checks and thresholds layered over it) over its tables, every iteration,
+read-only (a running run is audited as it stands). Exit 0 when none fails, 1 when one alerts or
+cannot run (a missing or damaged table: said in one line per check), 2 on a usage error (no such
+run, a bad FILE: flows/cli.py)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
+
+import yaml
 
 from agent_core.audit import audit_iterations
+from agent_core.config import AuditConfig, PipelineConfig
+from agent_core.validation import build_config
 from flows.configs_lookup import recorded_config
 
 
-def audit_command(data_root: str, run_id: str) -> int:
+def audit_command(data_root: str, run_id: str, checks_file: str | None = None) -> int:
     run, config = recorded_config(data_root, run_id)
+    if checks_file is not None:
+        config = config.model_copy(update={"audit": with_checks_from(config, Path(checks_file))})
     iterations = run.iterations()
     if not iterations:
         print(f"agentr1: run {run_id} has no iteration yet: nothing to audit")
@@ -27,3 +35,24 @@ def audit_command(data_root: str, run_id: str) -> int:
     print(f"agentr1: audit of run {run_id}: {checks} checks x {len(iterations)} iterations: {summary}"
           + (f"; failing: {', '.join(sorted({r.check_name for r in failing}))}" if failing else ""))
     return 1 if failing else 0
+
+
+def with_checks_from(config: PipelineConfig, path: Path) -> AuditConfig:
+    """The run's audit section with FILE's layered over it: its `checks` added to the recorded ones,
+    its `thresholds` replacing theirs check by check, any other key replacing the recorded value.
+    FILE holds an audit section's keys (optionally under `audit:`), checked like a run's config."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--checks {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ValueError(f"--checks {path}: not YAML ({' '.join(str(error).split())})") from None
+    if isinstance(data, dict) and set(data) == {"audit"}:
+        data = data["audit"]
+    if not isinstance(data, dict):
+        raise ValueError(f"--checks {path}: expected the keys of an audit section (checks:, thresholds:), "
+                         f"got a {type(data).__name__}")
+    audit = config.audit.model_dump(exclude_unset=False)
+    merged = {**audit, **data, "checks": [*audit["checks"], *(data.get("checks") or [])],
+              "thresholds": {**audit["thresholds"], **(data.get("thresholds") or {})}}
+    return build_config({**config.model_dump(), "audit": merged}, source=str(path)).audit

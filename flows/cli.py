@@ -31,6 +31,7 @@ from flows.input_checks import check_eval_inputs, check_rerun_inputs, check_run_
 
 DEFAULT_DATA_ROOT = "data"
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
+AUDIT_STOPPED = 3  # train / resume: the audit ended the run early (audit.on_alert: stop); a script must not read "done"
 
 
 def _version() -> str:
@@ -89,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     add("runs", "list runs: status (running, finished, failed, stopped, killed), iterations done, last dev EM, algorithm")
     audit = add("audit", "run every health check (the run's audit: section) over a run's tables; exit 1 when one fails")
     audit.add_argument("--run-id", required=True)
+    audit.add_argument("--checks", metavar="FILE", help="YAML with more audit checks and thresholds (the keys of an "
+                       "audit: section), layered over the run's recorded ones")
     sub.add_parser("configs", help="list the configs shipped with the package (usable as --config NAME)",
                    description="list the configs shipped with the package (usable as --config NAME)")
     _add_eval(add("eval", "evaluate methods of a run over a dataset split: EM and F1, mean ± std over seeds"))
@@ -185,7 +188,7 @@ def _train_holding_the_lock(config) -> int:
         print(_interrupted(config, time.perf_counter() - started), file=sys.stderr, flush=True)
         return INTERRUPTED
     _print_result(result, config.data_root, time.perf_counter() - started)
-    return 0
+    return AUDIT_STOPPED if result.stopped else 0
 
 
 def _interrupted(config, seconds: float) -> str:
@@ -217,7 +220,7 @@ def _print_result(result, data_root: str, seconds: float) -> None:
     print("  (train EM: the iteration's sampled rollouts; dev EM: greedy, held-out dev prompts after the iteration)")
     if result.stopped:
         print(f"\nagentr1: run {result.run_id} stopped early: {result.stopped}; continue it with "
-              f"`agentr1 resume --run-id {result.run_id} --data-root {data_root}`")
+              f"`agentr1 resume --run-id {result.run_id} --data-root {data_root}` (exit code {AUDIT_STOPPED})")
 
 
 def _score(value: float) -> str:
@@ -267,12 +270,14 @@ def _runs(args: argparse.Namespace) -> int:
         print(f"agentr1: no runs under {root.runs_dir}")
     else:
         width = max(len("run"), *(len(r.run_id) for r in rows))
-        print(f"{'run':<{width}}  {'status':<8}  {'iterations':>10}  {'dev EM':>6}  algorithm")
+        print(f"{'run':<{width}}  {'status':<8}  {'iterations':>10}  {'dev EM':>6}  {'failed episodes':>15}  algorithm")
         for r in rows:
             planned = "?" if r.iterations_planned is None else str(r.iterations_planned)
             # nan: not evaluated yet; None: its table is unreadable
             dev = "?" if r.last_dev_em is None else "-" if math.isnan(r.last_dev_em) else f"{r.last_dev_em:.3f}"
-            line = f"{r.run_id:<{width}}  {r.status:<8}  {f'{r.iterations_done}/{planned}':>10}  {dev:>6}  {r.algorithm}"
+            failed = "?" if r.failed_episodes is None else "{}/{}".format(*r.failed_episodes)
+            line = (f"{r.run_id:<{width}}  {r.status:<8}  {f'{r.iterations_done}/{planned}':>10}  {dev:>6}  "
+                    f"{failed:>15}  {r.algorithm}")
             print(line + (f"  ({one_line(r.detail, 500)})" if r.detail else ""))
     for problem in problems:
         print(f"agentr1: runs: {printable(problem)}", file=sys.stderr)
@@ -300,7 +305,7 @@ def _reroot_mlflow_store(root) -> list[str]:
 def _audit(args: argparse.Namespace) -> int:
     from flows.audit_command import audit_command
 
-    return audit_command(args.data_root or DEFAULT_DATA_ROOT, args.run_id)
+    return audit_command(args.data_root or DEFAULT_DATA_ROOT, args.run_id, args.checks)
 
 
 def _configs(args: argparse.Namespace) -> int:

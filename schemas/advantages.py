@@ -1,4 +1,5 @@
-"""`advantages`: one row per agent step, one advantage (and return) per response token.
+"""`advantages`: one row per agent step trained on, one advantage (and return) per response token
+(failed episodes have none: `algorithm.failed_episodes`).
 
 `values` are the critic's values (PPO-family estimators) and `ref_logprobs` the frozen reference
 policy's log-probs, both per response token, null when not computed. `obs_advantages`,

@@ -17,7 +17,9 @@ the column (COLUMN_DEFAULTS). `history` says how the step's prompt relates to th
 "start" on step 0, "appended" when it starts with the previous prompt + response (such an episode
 packs into one training sequence), "rewritten" when the context was rebuilt (context management, or
 an agent behind the gateway that changed its history; the trainer's `auto` layout trains those as
-step rows); null in tables written before the column. `response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
+step rows); null in tables written before the column. A step with no action (empty response_ids,
+finish_reason "none") records an episode that failed before the policy acted (an agent program that
+crashed before its first call): only on a done step with termination "error", never trained on. `response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
 rounding of values near zero. Row id in errors: `<episode_id>/<step_idx>`.
 """
 
@@ -53,7 +55,7 @@ from schemas._base import (
 HISTORIES = ("start", "appended", "rewritten")
 TERMINATIONS = ("answered", "max_steps", "max_context", "error")
 TRUNCATIONS = ("max_steps", "max_context")  # budget cut-offs: truncated, not terminated
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "none")  # none: a step with no action (below)
 LOGPROB_MAX = 1e-4
 JSON_LIST = JsonShape("JSON list", "list", lambda value: isinstance(value, list))
 JSON_OBJECT = JsonShape("JSON object", "object", lambda value: isinstance(value, dict))
@@ -87,6 +89,20 @@ def _version_not_newer(t: pa.Table) -> pa.Array:
 def _start_iff_first(t: pa.Table) -> pa.Array:
     """"start" exactly on step 0 (rows with a null history, tables from before the column, pass)."""
     return null_where_null(t["history"], pc.equal(pc.equal(t["history"], "start"), pc.equal(t["step_idx"], 0)))
+
+
+def _no_action(t: pa.Table) -> pa.Array:
+    return pc.equal(pc.list_value_length(t["response_ids"]), 0)
+
+
+def _action_unless_failed(t: pa.Table) -> pa.Array:
+    """A response, except on a failed episode's done step."""
+    failed = pc.fill_null(pc.equal(t["termination"], "error"), False)
+    return pc.or_(pc.invert(_no_action(t)), failed)
+
+
+def _none_iff_no_action(t: pa.Table) -> pa.Array:
+    return pc.equal(pc.equal(t["finish_reason"], "none"), _no_action(t))
 
 
 def _not_shared_when_done(t: pa.Table) -> pa.Array:
@@ -134,7 +150,8 @@ class StepsModel(ArrowModel):
     _generated_at_finite = row_check("generated_at", "finite", finite("generated_at"))
     _prompt_ids_non_empty = row_check("prompt_ids", "non-empty", non_empty_list("prompt_ids"))
     _prompt_ids_valid = row_check("prompt_ids", "token ids >= 0", list_items_at_least("prompt_ids", 0))
-    _response_ids_non_empty = row_check("response_ids", "non-empty", non_empty_list("response_ids"))
+    _response_ids_non_empty = row_check("response_ids", "non-empty unless the step records a failure "
+                                        "(termination error)", _action_unless_failed)
     _response_ids_valid = row_check("response_ids", "token ids >= 0", list_items_at_least("response_ids", 0))
     _logprobs_match_ids = row_check(
         "response_logprobs", "same length as response_ids", same_list_length("response_logprobs", "response_ids")
@@ -153,6 +170,7 @@ class StepsModel(ArrowModel):
     _finish_reason_known = row_check(
         "finish_reason", f"one of {', '.join(FINISH_REASONS)}", one_of("finish_reason", FINISH_REASONS)
     )
+    _finish_none_iff_no_action = row_check("finish_reason", "'none' iff response_ids is empty", _none_iff_no_action)
     _prefix_not_shared_when_done = row_check("prefix_shared", "False on the done row", _not_shared_when_done)
     _history_known = row_check("history", f"one of {', '.join(HISTORIES)}", one_of("history", HISTORIES))
     _history_start_iff_first = row_check("history", "'start' iff step_idx = 0", _start_iff_first)

@@ -1,4 +1,5 @@
-"""Stage 4: per-token advantages of every step, by the configured estimator.
+"""Stage 4: per-token advantages of every step trained on, by the configured estimator. Failed
+episodes (and steps with no action) get no row: `algorithm.failed_episodes`.
 
 Also computes what the estimator and the trainer need from frozen models, so the train stage only
 trains: the critic's values (estimators that use a critic: gae, step_gae) on the episode grid,
@@ -35,10 +36,20 @@ from agent_core.training.scoring import score_logprobs
 from tasks._common import completed_outputs, stage_logger, stage_task
 
 
-def _rows(steps_uri: str, rewards_uri: str) -> list[dict]:
-    """Each step's tokens and log-probs with its combined reward (the rewards table's `reward`)."""
-    return join_steps(steps_uri, ["group_id", "prompt_ids", "response_ids", "response_logprobs", "anchor"],
-                      "rewards", rewards_uri, ["reward"])
+def steps_to_train(steps_uri: str, rewards_uri: str, failed_episodes: str) -> tuple[list[dict], int]:
+    """The steps trained on, each with its tokens, log-probs and combined reward (the rewards table's
+    `reward`), and how many episodes were left out: failed ones (`algorithm.failed_episodes`) and
+    steps with no action. Those get no advantages row, so the trainer never sees them."""
+    rows = join_steps(steps_uri, ["group_id", "prompt_ids", "response_ids", "response_logprobs", "anchor", "done",
+                                  "termination"], "rewards", rewards_uri, ["reward"])
+    left_out = {r["episode_id"] for r in rows if not r["response_ids"]}
+    if failed_episodes == "exclude":
+        left_out |= {r["episode_id"] for r in rows if r["done"] and r["termination"] == "error"}
+    kept = [r for r in rows if r["episode_id"] not in left_out]
+    if rows and not kept:
+        raise ValueError(f"{steps_uri}: every episode failed ({len(left_out)}); nothing to train on "
+                         "(algorithm.failed_episodes=train trains on failed episodes that acted)")
+    return kept, len(left_out)
 
 
 def estimator_settings(cfg: AlgorithmConfig) -> dict:
@@ -108,7 +119,7 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
     )
     if (done := completed_outputs(record, resume, f"iteration {iteration} advantages")) is not None:
         return done["advantages"]
-    rows = _rows(steps_uri, rewards_uri)
+    rows, left_out = steps_to_train(steps_uri, rewards_uri, cfg.failed_episodes)
     policy_dir = str(run.policy_dir_before(iteration))
     batch = prepare_episodes([StepRewardRow(**{k: r[k] for k in ("episode_id", "group_id", "step_idx", "prompt_ids",
                                                                   "response_ids", "reward", "anchor")}) for r in rows])
@@ -134,6 +145,9 @@ def compute_advantages(run: RunLayout, iteration: int, steps_uri: str, rewards_u
     uri = write_table("advantages", out, run.table_uri(iteration, "advantages"))
     record.commit({"advantages": uri})
     nonzero = sum(1 for r in results if any(a != 0.0 for a in r.advantages))
+    if left_out:
+        log.warning("iteration %d: %d failed episodes left out of training and of their groups' baselines "
+                    "(algorithm.failed_episodes=%s)", iteration, left_out, cfg.failed_episodes)
     log.info("iteration %d: %s advantages for %d steps (%d with a non-zero signal)%s%s", iteration, cfg.estimator,
              len(results), nonzero, ", critic values" if values is not None else "",
              f", KL to the reference ({cfg.kl_estimator}, {'reward' if cfg.kl_in_reward else 'loss'})" if ref_logprobs else "")

@@ -13,8 +13,13 @@ from agent_core.io.checkpoints import check_checkpoint, load_tokenizer
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
 from agent_core.io.tables import read_table, rows_of, write_table
+from agent_core.rollout.records import episode_failures
 from agent_core.rollout.spec import env_for
 from tasks._common import completed_outputs, read_corpus, stage_logger, stage_progress, stage_task
+
+
+class RolloutFailedError(RuntimeError):
+    """Every episode of a rollout failed: the run stops (failed) before training on nothing."""
 
 
 @stage_task(name="rollout")
@@ -51,7 +56,12 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
                            access=DataAccess(corpus_uri, str(run.data_root)))
     rows = rows_of(records, run_id=run.run_id, iteration=iteration)  # shallow: asdict deep-copies every token list
     uri = write_table("steps", rows, run.table_uri(iteration, "steps"))
+    failures = episode_failures(records)
+    if failures.all_failed:  # written for a look, not committed: nothing to train on
+        raise RolloutFailedError(f"iteration {iteration} rollout: {failures.describe()}; every episode is in {uri}")
     record.commit({"steps": uri}, metrics={"seconds": time.perf_counter() - started})
+    if failures.failed:
+        log.warning("iteration %d: %s", iteration, failures.describe())
     episodes = len(prompts) * cfg.group_size
     log.info("iteration %d: %d episodes, %d steps, %d generated tokens", iteration, episodes, len(records),
              sum(len(r.response_ids) for r in records))

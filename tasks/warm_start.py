@@ -76,7 +76,7 @@ def _selected_episodes(steps_uri: str, rewards_uri: str, sql: str) -> list[list[
         ["episode_id", "step_idx", "prompt_ids", "response_ids", "response_logprobs"]).to_pylist()
     episodes: dict[str, list[dict]] = {}
     for s in steps:
-        if s["episode_id"] in chosen:
+        if s["episode_id"] in chosen and s["response_ids"]:  # a step with no action has nothing to imitate
             episodes.setdefault(s["episode_id"], []).append(s)
     return [[TrainStep(s["prompt_ids"], s["response_ids"], s["response_logprobs"], [0.0] * len(s["response_ids"]))
              for s in sorted(rows, key=lambda r: r["step_idx"])] for rows in episodes.values()]

@@ -21,6 +21,7 @@ class Action:
     parse_error: str | None = None
     observation: str = "Vi Fin is a film directed by Gos Kin."
     answer: str | None = None  # set: the episode's final answer step
+    failure: str | None = None  # set on the last action: the episode ended in this error
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,12 @@ def _step_rows(run_id: str, k: int, e: int, episode: Episode) -> list[dict]:
     rows, n = [], len(episode.actions)
     for i, a in enumerate(episode.actions):
         done = i == n - 1
-        termination = ("answered" if a.answer is not None else "max_steps") if done else None
+        termination = ("error" if a.failure else "answered" if a.answer is not None else "max_steps") if done else None
         calls = [{"name": "search", "arguments": {"query": "x"}, "ok": ok, "error_kind": None if ok else "tool_error",
                   "latency_s": 0.0} for ok in a.calls]
         info = {"answer": a.answer, "format_ok": True} if a.answer is not None else {"num_calls": len(a.calls)}
+        if a.failure:
+            info["error"] = a.failure
         rows.append(dict(
             run_id=run_id, iteration=k, episode_id=f"{run_id}-i{k}-e{e}", group_id=f"{run_id}-i{k}-g{e // 2}",
             prompt_id=f"p{e // 2}", sample_idx=e % 2, step_idx=i, policy_version=k, prompt_ids=[1, 2, 3],

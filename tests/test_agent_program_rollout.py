@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow import MlflowClient
 
 from agent_core.config import RolloutConfig
 from agent_core.data.rows import document_to_row
@@ -21,6 +22,7 @@ from agent_core.rewards.labelling import StepOutcome, label_steps
 from agent_core.rollout.chat import eos_token_ids
 from agent_core.rollout.engine import SamplingParams
 from agent_core.rollout.hf_engine import HFEngine
+from agent_core.rollout.records import episode_failures
 from agent_core.training.model import build_tiny_policy, build_tokenizer
 from agent_core.types import ChatMessage, Document, Prompt
 from agent_core.validation import load_config
@@ -76,9 +78,9 @@ def _prompts(count: int = 2) -> list[Prompt]:
                    ("Ana Kowalski",), "search_qa") for k in range(count)]
 
 
-def _cfg(command: list[str], max_context_tokens: int = 512, **kwargs) -> RolloutConfig:
-    return RolloutConfig(env="agent_program", env_kwargs={"command": command, **kwargs}, group_size=2, max_steps=3,
-                         max_new_tokens=8, max_context_tokens=max_context_tokens)
+def _cfg(command: list[str], max_context_tokens: int = 512, max_steps: int = 3, **kwargs) -> RolloutConfig:
+    return RolloutConfig(env="agent_program", env_kwargs={"command": command, **kwargs}, group_size=2,
+                         max_steps=max_steps, max_new_tokens=8, max_context_tokens=max_context_tokens)
 
 
 def _roll(engine, tokenizer, cfg, corpus=None, prompts=None):
@@ -131,12 +133,60 @@ def test_a_failing_program_is_a_failed_episode_with_its_reason(engine, tokenizer
         assert info["seed"] is not None  # the step is the call the program made before it failed
 
 
-def test_a_program_that_fails_before_any_call_still_leaves_one_failed_step(engine, tokenizer, tmp_path):
+def test_a_program_that_fails_before_any_call_leaves_one_step_with_no_action(engine, tokenizer, tmp_path):
     cfg = _cfg([sys.executable, "-c", "import sys; sys.exit(3)"])
-    steps = _table(_roll(engine, tokenizer, cfg, prompts=_prompts(1)), tmp_path)
+    records = _roll(engine, tokenizer, cfg, prompts=_prompts(1))
+    steps = _table(records, tmp_path)  # valid: a step with no action is allowed on a failed episode
     assert steps.num_rows == 2 and steps.column("termination").to_pylist() == ["error", "error"]
+    # nothing the program did not send: no sampled action on the dataset's prompt
+    assert steps.column("response_ids").to_pylist() == [[], []]
+    assert steps.column("finish_reason").to_pylist() == ["none", "none"]
     info = json.loads(steps.column("info")[0].as_py())
     assert info["gateway_calls"] == 0 and info["error"].startswith("exit code 3")
+    failures = episode_failures(records)
+    assert failures.all_failed and failures.commonest_count == 2 and failures.commonest.startswith("exit code 3")
+
+
+def test_a_first_request_over_the_context_fails_naming_the_numbers(engine, tokenizer):
+    cfg = _cfg([sys.executable, "-c", ONE_CALL, "answer"], max_context_tokens=16)
+    failures = episode_failures(_roll(engine, tokenizer, cfg, prompts=_prompts(1)))
+    assert failures.all_failed, failures
+    assert "refused the first request: the prompt is" in failures.commonest
+    assert "exceeds the context of 16 tokens (rollout.max_context_tokens)" in failures.commonest
+
+
+def test_an_answer_printed_after_a_budget_refusal_is_scored(engine, tokenizer):
+    # max_steps=1: the second call is refused; the program answers with what it has
+    refused_then_answer = ONE_CALL.replace('mode = sys.argv[1]', textwrap.dedent("""
+        try:
+            urllib.request.urlopen(request)
+        except urllib.error.HTTPError as refusal:
+            assert refusal.code == 400, refusal.code
+        mode = sys.argv[1]"""))
+    cfg = _cfg([sys.executable, "-c", "import urllib.error\n" + refused_then_answer, "answer"], max_steps=1)
+    records = _roll(engine, tokenizer, cfg, prompts=_prompts(1))
+    assert [r.termination for r in records] == ["answered", "answered"]
+    assert all(json.loads(r.info)["refused"] == "max_steps" for r in records)
+    outcomes = [StepOutcome(r.episode_id, r.group_id, r.prompt_id, r.sample_idx, r.step_idx, r.env_reward, r.done,
+                            r.termination, r.info) for r in records]
+    rewards = label_steps(outcomes, {"q0": ["Ana Kowalski"]}, scorer="qa_em", format_weight=0.0)
+    assert [r.em for r in rewards] == [1.0, 1.0]
+
+
+def test_a_command_that_cannot_start_here_fails_before_the_run_naming_where_it_was_looked_for(
+        tmp_path, monkeypatch, capsys):
+    from flows.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)  # outside the checkout: the guide's relative command is not here
+    args = ["train", "--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "--data-root", str(tmp_path / "data"),
+            "--set", "rollout.env=agent_program"]
+    relative = 'rollout.env_kwargs={"command": ["python", "examples/openai_agent/agent.py"]}'
+    assert cli_main([*args, "--set", relative]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.env_kwargs.command" in err and "examples/openai_agent/agent.py, which is not a file" in err
+    assert f"resolved against {tmp_path}" in err and not (tmp_path / "data").exists()  # nothing started
+    assert cli_main([*args, "--set", 'rollout.env_kwargs={"command": ["no-such-interpreter-here"]}']) == 2
+    assert "'no-such-interpreter-here' is not on PATH" in capsys.readouterr().err
 
 
 def test_the_config_accepts_agent_program_and_checks_its_kwargs():
@@ -152,12 +202,23 @@ def test_one_rl_iteration_of_the_pipeline_trains_on_the_example_agents_episodes(
     """`agentr1 train --config tiny --set rollout.env=agent_program ...` in one iteration: rollout
     through the gateway, labelling, advantages and an update, every table written and valid."""
     from agent_core.io.layout import DataRoot
+    from agent_core.io.run_status import run_status
     from flows.train import train
+    from tasks.rollout import RolloutFailedError
 
     command = json.dumps(["python", str(AGENT), "--max-tokens", "12"])
-    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", [
-        f"data_root={tmp_path}", "run_id=gw", "iterations=1", "dev_eval.every=0", "rollout.env=agent_program",
-        f'rollout.env_kwargs={{"command": {command}, "timeout_s": 120}}', "rollout.max_context_tokens=2048"])
+    settings = [f"data_root={tmp_path}", "iterations=1", "dev_eval.every=0", "rollout.env=agent_program",
+                f'rollout.env_kwargs={{"command": {command}, "timeout_s": 120}}']
+    # first with a context the agent's first request does not fit: every episode fails, and the run says so
+    small = load_config(REPO_ROOT / "configs" / "tiny.yaml", [*settings, "run_id=small", "rollout.max_context_tokens=64"])
+    with pytest.raises(RolloutFailedError, match=r"6 of 6 episodes failed; 6 of them like: .*refused the first "
+                                                 r"request: the prompt is \d+ tokens.*context of 64 tokens"):
+        train(small)
+    failed = run_status(DataRoot(tmp_path).run("small"))
+    assert failed.status == "failed" and "6 of 6 episodes failed" in failed.detail
+    assert MlflowClient(DataRoot(tmp_path).mlflow_tracking_uri).search_model_versions("name='agentr1-policy'") == []
+
+    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", [*settings, "run_id=gw", "rollout.max_context_tokens=2048"])
     result = train(config)
     run = DataRoot(tmp_path).run("gw")
     steps = read_table("steps", run.table_uri(0, "steps"))

@@ -25,6 +25,8 @@ def _episodes(*actions: Action, n: int = 4, **kwargs) -> list[Episode]:
 
 
 BAD_ITERATIONS = {  # check -> (episodes, updates) of an iteration that must make it fire
+    "failed_episode_rate": (_episodes(SEARCH, replace(SEARCH, failure="exit code 1: the agent fell over"), n=2)
+                            + _episodes(SEARCH, ANSWER, n=2), None),
     "malformed_action_rate": (_episodes(*[replace(SEARCH, calls=(), parse_error="no call or answer")] * 3, ANSWER),
                               None),
     "tool_error_rate": (_episodes(replace(SEARCH, calls=(False, False)), ANSWER), None),

@@ -18,7 +18,7 @@ from agent_core.io.run_status import run_status
 from agent_core.io.tables import read_table
 from agent_core.validation import build_config, load_config
 from audit_tables import Action, Episode, Update, healthy, write_iteration
-from flows.cli import main as cli_main
+from flows.cli import AUDIT_STOPPED, main as cli_main
 
 REPO = Path(__file__).resolve().parent.parent
 ALWAYS = {"name": "always_alerts", "sql": "select iteration, 1.0 as value from steps group by iteration", "max": 0.0}
@@ -99,13 +99,33 @@ def test_a_user_check_from_the_recorded_config_runs_in_agentr1_audit(tmp_path, c
     assert "iteration 0 always_alerts: alert" in capsys.readouterr().out
 
 
+def test_agentr1_audit_takes_more_checks_for_a_finished_run(tmp_path, capsys):
+    _recorded_run(tmp_path, "r")
+    for k in range(2):
+        write_iteration(tmp_path, "r", k, healthy())
+    args = ["audit", "--data-root", str(tmp_path), "--run-id", "r"]
+    assert cli_main(args) == 0
+    extra = tmp_path / "more.yaml"
+    extra.write_text(yaml.safe_dump({"checks": [ALWAYS], "thresholds": {"steps_per_episode": {"max": 1.0}}}))
+    assert cli_main([*args, "--checks", str(extra)]) == 1
+    out = capsys.readouterr().out
+    assert "iteration 0 always_alerts: alert" in out and "iteration 1 steps_per_episode: alert" in out
+    extra.write_text(yaml.safe_dump({"audit": {"checks": [{**ALWAYS, "sql": "select iteration from stepz"}]}}))
+    assert cli_main([*args, "--checks", str(extra)]) == 2
+    err = capsys.readouterr().err
+    assert "audit.checks.0.sql" in err and "stepz" in err and str(extra) in err
+    extra.write_text("- just a list\n")
+    assert cli_main([*args, "--checks", str(extra)]) == 2
+    assert "expected the keys of an audit section" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_on_alert_stop_ends_the_run_with_its_reason_and_a_resume_continues(tmp_path, capsys):
     extra = tmp_path / "audit.yaml"
     extra.write_text(yaml.safe_dump({"iterations": 3, "audit": {"on_alert": "stop", "checks": [ALWAYS]}}))
     root = tmp_path / "data"
     assert cli_main(["train", "--config", str(REPO / "configs" / "tiny.yaml"), "--config", str(extra),
-                     "--run-id", "s", "--data-root", str(root)]) == 0
+                     "--run-id", "s", "--data-root", str(root)]) == AUDIT_STOPPED  # not 0: the run did not finish
     assert "stopped early: audit alert at iteration 0" in capsys.readouterr().out
     run = DataRoot(root).run("s")
     status = run_status(run)
@@ -117,7 +137,7 @@ def test_on_alert_stop_ends_the_run_with_its_reason_and_a_resume_continues(tmp_p
     assert {"always_alerts": "alert"}.items() <= {r["check_name"]: r["status"] for r in health}.items()
     assert "always_alerts" in (run.report_dir / "health.md").read_text()
     # the resume does not stop again on iteration 0's alert: it runs iteration 1, whose audit stops it
-    assert cli_main(["resume", "--run-id", "s", "--data-root", str(root)]) == 0
+    assert cli_main(["resume", "--run-id", "s", "--data-root", str(root)]) == AUDIT_STOPPED
     assert (run_status(run).status, run_status(run).iterations_done) == ("stopped", 2)
     # with on_alert warn, the resume runs to the end
     assert cli_main(["resume", "--run-id", "s", "--data-root", str(root), "--set", "audit.on_alert=warn"]) == 0

@@ -87,3 +87,16 @@ def test_join_steps_keeps_the_steps_order_and_names_missing_rows(tmp_path):
                           tmp_path / "partial.parquet")
     with pytest.raises(ValueError, match=r"no advantages row for steps \['ep-1/2'\] \(1 steps\)"):
         join_steps(steps_uri, ["prompt_ids"], "advantages", partial, ["advantages"])
+
+
+def test_join_steps_on_the_steps_trained_leaves_out_steps_without_a_row_but_not_rows_without_a_step(tmp_path):
+    steps_uri = write_table("steps", steps_rows(), tmp_path / "steps.parquet")
+    advantages = advantages_rows()
+    trained = write_table("advantages", [r for r in advantages if r["episode_id"] != "ep-1"], tmp_path / "some.parquet")
+    joined = join_steps(steps_uri, ["prompt_ids"], "advantages", trained, ["advantages"], every_step=False)
+    assert {r["episode_id"] for r in joined} == {r["episode_id"] for r in advantages} - {"ep-1"}
+    assert [(r["episode_id"], r["step_idx"]) for r in joined] == [
+        (r["episode_id"], r["step_idx"]) for r in steps_rows() if r["episode_id"] != "ep-1"]
+    stray = write_table("advantages", [*advantages, {**advantages[0], "episode_id": "ghost"}], tmp_path / "stray.parquet")
+    with pytest.raises(ValueError, match=r"advantages rows \['ghost/0'\] have no row in .*steps.parquet \(1 rows\)"):
+        join_steps(steps_uri, ["prompt_ids"], "advantages", stray, ["advantages"], every_step=False)

@@ -145,7 +145,7 @@ def test_hermes_tool_calls_come_back_in_openais_shape_and_the_tool_result_append
     assert "<tool_response>" in tokenizer.decode(calls[1].prompt_ids[len(calls[0].prompt_ids) + len(engine.ids):])
 
 
-def test_budgets_refuse_with_400_and_end_the_episode_as_a_truncation(tokenizer):
+def test_budgets_refuse_with_400_and_end_the_episode_as_a_truncation_unless_the_agent_answers(tokenizer):
     engine = _ScriptedEngine(tokenizer, "Ana")
     with Gateway(engine, tokenizer, _sampling(tokenizer), GatewayLimits(max_calls=1, max_context_tokens=512)) as gateway:
         token = gateway.open_episode("budget")
@@ -154,8 +154,14 @@ def test_budgets_refuse_with_400_and_end_the_episode_as_a_truncation(tokenizer):
         with pytest.raises(openai.BadRequestError, match="calls"):
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "again"}])
         calls = gateway.finish_episode(token)
-    (row,) = steps_from_calls(EpisodeIdentity("budget", "g", "p", 0, 0), calls, EpisodeEnd("Ana", None, {}))
+    identity = EpisodeIdentity("budget", "g", "p", 0, 0)
+    (row,) = steps_from_calls(identity, calls, EpisodeEnd(None, None, {}))
     assert row.termination == "max_steps" and row.truncated and "answer" not in json.loads(row.info)
+    # an answer printed after the refusal (answering with what it has) is the episode's answer, scored
+    (row,) = steps_from_calls(identity, calls, EpisodeEnd("Ana", None, {}))
+    assert row.termination == "answered" and not row.truncated
+    assert json.loads(row.info)["answer"] == "Ana" and json.loads(row.info)["refused"] == "max_steps"
+    assert calls.refusal == "this episode has used its 1 calls (rollout.max_steps)"
 
 
 def test_streaming_is_refused_with_a_clear_400(tokenizer):

@@ -81,7 +81,7 @@ def test_completions_sent_at_once_are_held_to_the_step_budget_with_distinct_indi
     assert engine.prompts == MAX_STEPS  # the refused requests generated nothing
     assert [call.call_idx for call in calls.calls] == list(range(MAX_STEPS))
     assert len({call.seed for call in calls.calls}) == MAX_STEPS and None not in {call.seed for call in calls.calls}
-    rows = steps_from_calls(EpisodeIdentity("greedy", "g", "p", 0, 0), calls, EpisodeEnd("Ana", None, {}), tokenizer)
+    rows = steps_from_calls(EpisodeIdentity("greedy", "g", "p", 0, 0), calls, EpisodeEnd(None, None, {}), tokenizer)
     assert [row.step_idx for row in rows] == list(range(MAX_STEPS))
     assert rows[-1].termination == "max_steps" and rows[-1].truncated
 

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from agent_core.algos.step_advantages import StepRewardRow, prepare_episodes
-from agent_core.config import RewardConfig
+from agent_core.algos.step_advantages import StepRewardRow, estimate_step_advantages, prepare_episodes
+from agent_core.config import AlgorithmConfig, RewardConfig
 from agent_core.io.summaries import episode_rewards
 from agent_core.io.tables import read_table, write_table
 from tasks._common import label_steps_table
-from tasks.compute_advantages import _rows
+from tasks.compute_advantages import estimator_settings, steps_to_train
 from tests.test_schemas import steps_rows
 
 # Process rewards per (episode, step): episode sums -0.3 and +0.6, so max_abs divides by 0.6.
@@ -33,7 +33,7 @@ def _labelled(tmp_path, cfg: RewardConfig) -> tuple[str, str]:
 
 def _trained_rewards(steps_uri: str, rewards_uri: str) -> list[float]:
     """Per episode, the sum of the token rewards the advantages stage hands its estimator."""
-    rows = _rows(steps_uri, rewards_uri)
+    rows, _ = steps_to_train(steps_uri, rewards_uri, "exclude")
     batch = prepare_episodes([StepRewardRow(**{k: r[k] for k in ("episode_id", "group_id", "step_idx", "prompt_ids",
                                                                 "response_ids", "reward")}) for r in rows])
     return batch.layout.token_rewards.sum(dim=-1).tolist()
@@ -58,3 +58,29 @@ def test_default_combination_is_the_plain_sum(tmp_path):
     steps_uri, rewards_uri = _labelled(tmp_path, RewardConfig(format_weight=0.0))
     assert _trained_rewards(steps_uri, rewards_uri) == pytest.approx([0.7, 0.6])
     assert episode_rewards(rewards_uri)[1] == pytest.approx(0.65)
+
+
+def _with_a_failed_episode(tmp_path, failed_episodes: str) -> tuple[list[dict], int]:
+    """ep-1 ended in an error (an agent program that crashed after its calls)."""
+    rows = steps_rows()
+    for row in rows:
+        if row["done"]:
+            failed = row["episode_id"] == "ep-1"
+            row.update(termination="error" if failed else "answered",
+                       info=json.dumps({"error": "exit code 1: the agent fell over"} if failed else {"answer": "Paris"}))
+    steps_uri = write_table("steps", rows, tmp_path / f"{failed_episodes}-steps.parquet")
+    rewards_uri = str(tmp_path / f"{failed_episodes}-rewards.parquet")
+    label_steps_table(steps_uri, {"q0": ["Paris"]}, RewardConfig(format_weight=0.0), "r1", 0, rewards_uri)
+    return steps_to_train(steps_uri, rewards_uri, failed_episodes)
+
+
+def test_a_failed_episode_is_left_out_of_training_and_of_its_groups_baseline(tmp_path):
+    kept, left_out = _with_a_failed_episode(tmp_path, "exclude")
+    assert left_out == 1 and {r["episode_id"] for r in kept} == {"ep-0"}
+    batch = prepare_episodes([StepRewardRow(**{k: r[k] for k in ("episode_id", "group_id", "step_idx", "prompt_ids",
+                                                                "response_ids", "reward")}) for r in kept])
+    (only,) = estimate_step_advantages(batch, **estimator_settings(AlgorithmConfig()))[-1:]
+    assert all(a == 0.0 for a in only.advantages)  # alone in its group: no one to be better than
+    trained, left_out = _with_a_failed_episode(tmp_path, "train")  # the switch: kept, with its reward 0
+    assert left_out == 0 and {r["episode_id"] for r in trained} == {"ep-0", "ep-1"}
+    assert [r["reward"] for r in trained if r["done"]] == [1.0, 0.0]

@@ -54,5 +54,5 @@ def test_cli_runs_prints_a_row_per_run(run, capsys):
     record_run_end(run, "failed", "ValueError: bad")
     assert cli_main(["runs", "--data-root", str(run.data_root)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["run", "status", "iterations", "dev", "EM", "algorithm"]
-    assert lines[1].split() == ["r1", "failed", "1/3", "-", "rloo", "(ValueError:", "bad)"]
+    assert lines[0].split() == ["run", "status", "iterations", "dev", "EM", "failed", "episodes", "algorithm"]
+    assert lines[1].split() == ["r1", "failed", "1/3", "-", "0/0", "rloo", "(ValueError:", "bad)"]

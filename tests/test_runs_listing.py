@@ -18,8 +18,9 @@ from agent_core.io.layout import DataRoot
 from agent_core.io.run_status import record_run_end
 from agent_core.io.tables import write_table
 from flows.cli import main as cli_main
+from tests.test_schemas import steps_rows
 
-HEADER = ["run", "status", "iterations", "dev", "EM", "algorithm"]
+HEADER = ["run", "status", "iterations", "dev", "EM", "failed", "episodes", "algorithm"]
 
 
 def _make_run(root: DataRoot, run_id: str, iterations_done: int = 2, em: float = 0.5) -> None:
@@ -33,6 +34,11 @@ def _make_run(root: DataRoot, run_id: str, iterations_done: int = 2, em: float =
                  "split": "dev", "seed": 0, "prompt_id": f"q{i}", "prediction": "x", "em": float(i < 2 * em),
                  "f1": 0.0, "format_ok": True, "steps": 1, "tool_calls": 0, "termination": "answered"} for i in range(2)]
         write_table("eval", rows, run.dev_eval_uri(k))
+    steps = steps_rows()  # two episodes, ep-1 ended in an error
+    for row in steps:
+        if row["done"] and row["episode_id"] == "ep-1":
+            row.update(termination="error", info='{"error": "exit code 1"}')
+    write_table("steps", steps, run.table_uri(0, "steps"))
     record_run_end(run, "finished")
 
 
@@ -49,18 +55,20 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-NO_CONFIG = ["m-bad", "finished", "2/?", "0.500", "?"]
+NO_CONFIG = ["m-bad", "finished", "2/?", "0.500", "1/2", "?"]
 # damage -> (the file its one line names, the row still listed: `?` where the damage hides a value)
 DAMAGE = {
     "truncated dev_eval": (lambda run: _truncate(Path(run.dev_eval_uri(1))), "dev_eval.parquet",
-                           ["m-bad", "finished", "2/3", "?", "grpo"]),
+                           ["m-bad", "finished", "2/3", "?", "1/2", "grpo"]),
+    "truncated steps": (lambda run: _truncate(Path(run.table_uri(0, "steps"))), "steps table",
+                        ["m-bad", "finished", "2/3", "0.500", "?", "grpo"]),
     "config of a list": (lambda run: run.config_path.write_text("- [1]\n"), "config.yaml", NO_CONFIG),
     "config not YAML": (lambda run: run.config_path.write_text("iterations: [\n"), "config.yaml", NO_CONFIG),
     "iterations not a number": (lambda run: run.config_path.write_text("iterations: [1]\nalgorithm: {estimator: grpo}\n"),
-                                "config.yaml", ["m-bad", "finished", "2/?", "0.500", "grpo"]),
+                                "config.yaml", ["m-bad", "finished", "2/?", "0.500", "1/2", "grpo"]),
     # a damaged end record reads as killed (tests/test_corrupt_resume.py), now with its line
     "status of a list": (lambda run: run.status_path.write_text('{"status": ["x"]}'), "status.json",
-                         ["m-bad", "killed", "2/3", "0.500", "grpo"]),
+                         ["m-bad", "killed", "2/3", "0.500", "1/2", "grpo"]),
 }
 
 
@@ -80,7 +88,7 @@ def test_one_damaged_run_is_one_line_and_the_others_are_listed(root, case, capsy
     assert "Traceback" not in out + err
     listed = _listed(out)
     for good in ("a-good", "z-good"):
-        assert listed[good] == [good, "finished", "2/3", "0.500", "grpo"], out
+        assert listed[good] == [good, "finished", "2/3", "0.500", "1/2", "grpo"], out
     problems = err.strip().splitlines()
     assert len(problems) == 1, err
     assert problems[0].startswith("agentr1: runs: m-bad: ") and file_named in problems[0], err

@@ -181,7 +181,12 @@ STEPS_CASES = [
     (_set(prompt_ids=[1, -3]), 3, "prompt_ids", "token ids >= 0", "ep-1/0"),
     (_set(prompt_ids=[1, None]), 3, "prompt_ids", "token ids >= 0", "ep-1/0"),
     (_set(response_ids=[4, -1]), 1, "response_ids", "token ids >= 0", "ep-0/1"),
-    (_set(response_ids=[], response_logprobs=[]), 1, "response_ids", "non-empty", "ep-0/1"),
+    (_set(response_ids=[], response_logprobs=[]), 1, "response_ids",
+     "non-empty unless the step records a failure (termination error)", "ep-0/1"),
+    (_set(response_ids=[], response_logprobs=[], finish_reason="none"), 2, "response_ids",
+     "non-empty unless the step records a failure (termination error)", "ep-0/2"),
+    (_set(response_ids=[], response_logprobs=[]), 2, "finish_reason", "'none' iff response_ids is empty", "ep-0/2"),
+    (_set(finish_reason="none"), 1, "finish_reason", "'none' iff response_ids is empty", "ep-0/1"),
     (_set(response_logprobs=[-0.5]), 1, "response_logprobs", "same length as response_ids", "ep-0/1"),
     (_set(response_logprobs=[-0.5, math.nan]), 2, "response_logprobs", "finite and <= 0.0001", "ep-0/2"),
     (_set(response_logprobs=[-math.inf, 0.0]), 2, "response_logprobs", "finite and <= 0.0001", "ep-0/2"),
@@ -195,7 +200,7 @@ STEPS_CASES = [
     (_set(info="{'a': 1}"), 4, "info", "JSON object", "ep-1/1"),
     (_set(info="{} {}"), 4, "info", "JSON object", "ep-1/1"),
     (_set(env_reward=math.inf), 3, "env_reward", "finite", "ep-1/0"),
-    (_set(finish_reason="eos"), 3, "finish_reason", "one of stop, length", "ep-1/0"),
+    (_set(finish_reason="eos"), 3, "finish_reason", "one of stop, length, none", "ep-1/0"),
     (_set(termination="timeout"), 2, "termination", "one of answered, max_steps, max_context, error", "ep-0/2"),
     (_set(termination=None), 2, "termination", "set iff done", "ep-0/2"),
     (_set(termination="error"), 1, "termination", "set iff done", "ep-0/1"),
@@ -305,6 +310,13 @@ def test_one_bad_row_is_named(name, change, index, column, check, row_id):
     assert matching, f"no failure ({column!r}, {check!r}) in: {error}"
     assert row_id in matching[0].row_ids
     assert f"column '{column}' failed check '{check}' at rows [" in str(error)
+
+
+def test_a_failed_episode_may_end_on_a_step_with_no_action():
+    rows = [r for r in steps_rows() if r["episode_id"] == "ep-0"][:1]
+    rows[0].update(done=True, termination="error", prefix_shared=False, response_ids=[], response_logprobs=[],
+                   response_text="", finish_reason="none", info='{"error": "exit code 3"}')
+    schemas.validate("steps", table("steps", rows))
 
 
 def test_prefix_shared_may_be_false_before_the_end():

@@ -152,7 +152,8 @@ def zero_groups_of_one(name: str, advantage: torch.Tensor, count: torch.Tensor) 
         warn_once(
             f"group-of-one:{name}",
             f"{name}: {int(alone.sum())} episode(s) alone in their group get advantage 0 (no baseline, so no "
-            "signal); sample at least two episodes per prompt (rollout.group_size >= 2). Warned once.",
+            "signal); sample at least two episodes per prompt (rollout.group_size >= 2), or see why the others "
+            "failed (they are left out: algorithm.failed_episodes). Warned once.",
             GroupOfOneWarning,
         )
     return torch.where(alone, torch.zeros_like(advantage), advantage)

@@ -3,7 +3,7 @@
 max_ratio/min_ratio against the mean of the run's first iterations).
 
 Defaults are set so the demo recipe (configs/demo.yaml) trains without an alert, and each names a
-failure RL users report: a policy that stops calling tools, floods malformed calls, answers with
+failure RL users report: episodes that fail (a crashing agent program), a policy that stops calling tools, floods malformed calls, answers with
 the question's words, repeats itself, or earns its reward from the format term instead of the task;
 an entropy collapse, a KL or clip-fraction spike, non-finite updates. Values over a whole iteration
 (all its steps, episodes or updates), so one bad episode does not alert.
@@ -47,6 +47,12 @@ _EXTRA_REWARD = """episodes AS (
 _UPDATES = "FROM train_metrics WHERE NOT skipped GROUP BY iteration"
 
 BUILTIN_CHECKS: tuple[Check, ...] = (
+    Check("failed_episode_rate",
+          "SELECT iteration, avg(CASE WHEN termination = 'error' THEN 1.0 ELSE 0.0 END) AS value FROM steps "
+          "WHERE done GROUP BY iteration",
+          "share of episodes that ended in an error (an agent program that crashed, hung or made no call; an env "
+          "that raised): infrastructure, not the policy; left out of training by default (algorithm.failed_episodes)",
+          max=0.2),
     Check("malformed_action_rate",
           "SELECT iteration, avg(CASE WHEN parse_error IS NULL THEN 0.0 ELSE 1.0 END) AS value FROM steps GROUP BY iteration",
           "share of actions the env could not parse (malformed tool calls, neither a call nor an answer)",

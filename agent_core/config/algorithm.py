@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -17,6 +17,11 @@ class AlgorithmConfig(Section):
     estimator_options: dict[str, Any] = Field(default_factory=dict, description="the estimator's own settings, "
                                               "checked by the settings model it was registered with (the built-in "
                                               "estimators have none: their settings are the keys below)")
+    failed_episodes: Literal["exclude", "train"] = Field(
+        "exclude", description="episodes that ended in an error (an agent program that crashed, hung or made no "
+        "call; an env that raised): exclude = left out of training and of their group's baseline (the group's "
+        "other episodes are compared among themselves); train = trained on with their reward (0 unless a process "
+        "reward paid), as if the agent had failed the task. A step with no action is never trained on")
     norm_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
     gamma: float = Field(1.0, ge=0, le=1, description="discount of future rewards (gae, step_gae, reinforce_pp, "
                          "gigpo's step returns); 1 = undiscounted, as episodes are short")

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,7 +76,38 @@ class ProgramSpec:
         return cls(command=tuple(map(_argv_part, command)), timeout_s=float(timeout_s), **counts)
 
 
+    def missing(self, cwd: str) -> str | None:
+        """Why the command cannot start from `cwd` (where programs run: the directory agentr1 runs in),
+        one line, or None: its executable is not found, or the script an interpreter is given is not."""
+        exe = self.command[0]
+        if os.sep in exe and not os.path.isfile(os.path.join(cwd, exe)):
+            return f"{exe} is not a file (a relative path is resolved against {cwd}, where agentr1 runs)"
+        if os.sep not in exe and shutil.which(exe) is None:
+            return f"{exe!r} is not on PATH"
+        script = _script_of(self.command)
+        if script is not None and not os.path.isfile(os.path.join(cwd, script)):
+            return (f"{exe} would run {script}, which is not a file (a relative path is resolved against {cwd}, "
+                    "where agentr1 runs: give an absolute path, or run agentr1 from the folder it is relative to)")
+        return None
+
+
 _FIELDS = ("command", "timeout_s", "max_parallel", "max_output_bytes")
+_INTERPRETERS = ("python", "node", "bash", "sh", "ruby", "perl")
+
+
+def _script_of(command: Sequence[str]) -> str | None:
+    """The script file an interpreter's argv runs (`python agent.py`), None for `-c`/`-m` or no interpreter."""
+    if not os.path.basename(command[0]).startswith(_INTERPRETERS):
+        return None
+    args = iter(command[1:])
+    for arg in args:
+        if arg in ("-c", "-m", "-e", "--eval"):
+            return None
+        if arg in ("-X", "-W"):  # python's options that take a value
+            next(args, None)
+        elif not arg.startswith("-"):
+            return arg
+    return None
 
 
 def _argv_part(part: Any) -> str:

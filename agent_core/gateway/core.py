@@ -72,6 +72,7 @@ class EpisodeCalls:
     episode_id: str
     calls: tuple[GatewayCall, ...]
     budget_hit: str | None = None
+    refusal: str | None = None  # what the first refused request was told, with its numbers
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class _Episode:
     number: int
     calls: list[GatewayCall] = field(default_factory=list)
     budget_hit: str | None = None
+    refusal: str | None = None
     reserved: int = 0  # requests that hold a call slot and are not recorded yet (module docstring)
     seeds_drawn: int = 0
     active: bool = False  # it has made a request: the engine queue may wait for its next one
@@ -127,7 +129,7 @@ class GatewayCore:
             episode = self._episodes.pop(token)
             self._active -= episode.active
         self.engine_queue.episodes_changed()
-        return EpisodeCalls(episode.episode_id, tuple(episode.calls), episode.budget_hit)
+        return EpisodeCalls(episode.episode_id, tuple(episode.calls), episode.budget_hit, episode.refusal)
 
     def is_open(self, token: str) -> bool:
         with self._lock:
@@ -152,16 +154,17 @@ class GatewayCore:
         prompt_ids, appended = self._prompt_ids(episode, request)
         params, requested = self._params(request)
         if len(prompt_ids) + params.max_new_tokens > self.limits.max_context_tokens:
-            self._refuse(episode, "max_context")
-            raise GatewayError(400, f"the prompt is {len(prompt_ids)} tokens; with max_tokens={params.max_new_tokens} it "
-                               f"exceeds the context of {self.limits.max_context_tokens} tokens",
-                               "context_length_exceeded")
+            message = (f"the prompt is {len(prompt_ids)} tokens; with max_tokens={params.max_new_tokens} it exceeds "
+                       f"the context of {self.limits.max_context_tokens} tokens (rollout.max_context_tokens)")
+            self._refuse(episode, "max_context", message)
+            raise GatewayError(400, message, "context_length_exceeded")
         params = replace(params, seed=self._draw_seed(episode))
         served = self.engine_queue.generate(prompt_ids, params, episode.episode_id)
         generation = served.generation
         ids, logprobs, text, finish = cut_at_stop(self.tokenizer, generation, request.stop)
         content, tool_calls, action = parse_tool_calls(text, request)
-        errors = [] if action is None else [f"{e.kind}: {e.message}" for e in action.errors]
+        # plain text is how an OpenAI client's agent answers: only a call that does not parse is malformed
+        errors = [] if action is None else [f"{e.kind}: {e.message}" for e in action.errors if e.kind != "no_action"]
         call = GatewayCall(
             call_idx=-1, prompt_ids=prompt_ids, response_ids=ids, response_logprobs=logprobs,
             response_text=text, finish_reason=finish,
@@ -185,9 +188,10 @@ class GatewayCore:
                 episode.active = True
                 self._active += 1
             if len(episode.calls) + episode.reserved >= self.limits.max_calls:
+                message = f"this episode has used its {self.limits.max_calls} calls (rollout.max_steps)"
                 episode.budget_hit = episode.budget_hit or "max_steps"
-                raise GatewayError(400, f"this episode has used its {self.limits.max_calls} calls (rollout.max_steps)",
-                                   "max_steps")
+                episode.refusal = episode.refusal or message
+                raise GatewayError(400, message, "max_steps")
             episode.reserved += 1
             return episode
 
@@ -203,9 +207,10 @@ class GatewayCore:
         base = self.sampling.seed
         return None if base is None else base + episode.number * _SEED_STRIDE + drawn
 
-    def _refuse(self, episode: _Episode, budget: str) -> None:
+    def _refuse(self, episode: _Episode, budget: str, message: str) -> None:
         with self._lock:
             episode.budget_hit = episode.budget_hit or budget
+            episode.refusal = episode.refusal or message
 
     def _record(self, token: str, episode: _Episode, call: GatewayCall, request: ChatRequest, content: str,
                 tool_calls: list[dict]) -> None:

@@ -8,7 +8,7 @@ the gold answers). `run_programs` (agent_core/envs/agent_program.py) runs them, 
 limited, each in `settings.jail` (the data root hidden but for the corpus; own PID namespace and
 /proc, so no sibling reads its token); as each program ends its episode is finished (its token stops working) and its calls turn
 into steps (agent_core/gateway/steps.py). A program that fails is a failed episode, never a failed
-rollout; one that failed before its first call still gets one step (`_first_actions`).
+rollout; one that failed before its first call leaves one step with no action (`_no_action_steps`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from agent_core.progress import report
 from agent_core.rollout.agent_loop import opening_anchor
 from agent_core.rollout.chat import encode_conversation
 from agent_core.rollout.engine import Engine, SamplingParams
-from agent_core.rollout.records import EpisodeIdentity, StepRecord, one_step_episode
+from agent_core.rollout.records import EpisodeIdentity, StepRecord, no_action_step
 from agent_core.types import Prompt
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], s
     if failures:
         log.warning("agent_program: %d of %d programs failed; first: %s: %s", len(failures), len(outcomes),
                     failures[0].key, failures[0].failure)
-    for identity, records in _first_actions(engine, tokenizer, failed_early, prompt_of, sampling, settings, chat):
+    for identity, records in _no_action_steps(tokenizer, failed_early, prompt_of):
         steps[identity.episode_id] = records
     log.info("agent_program rollout: %d episodes, %d steps in %.1fs", len(identities),
              sum(len(r) for r in steps.values()), time.perf_counter() - started)
@@ -128,28 +128,23 @@ def _end_of(outcome: ProgramOutcome) -> EpisodeEnd:
 
 
 def _no_call_end(end: EpisodeEnd, calls: EpisodeCalls) -> EpisodeEnd:
-    """A program that made no call failed, whatever it printed: there is no action of the policy to credit."""
+    """A program that made no call failed, whatever it printed: there is no action of the policy to
+    credit. A refused first request is the cause to name first (the program's own failure follows it)."""
+    if calls.refusal is not None:
+        then = f" (then the program failed: {end.failure})" if end.failure else ""
+        return replace(end, failure=f"the gateway served no call: it refused the first request: {calls.refusal}{then}")
     if end.failure is not None:
         return end
-    if calls.budget_hit is not None:
-        return replace(end, failure=f"the gateway served no call: it refused the first request ({calls.budget_hit})")
     return replace(end, failure="the program made no call to the gateway")
 
 
-def _first_actions(engine: Engine, tokenizer, failed: list[tuple[EpisodeIdentity, EpisodeEnd]], prompt_of,
-                   sampling: SamplingParams, settings: ProgramRollout, chat) -> list[tuple[EpisodeIdentity, list]]:
-    """One step for each episode whose program failed before any call: the policy's action on the
-    opening prompt (a real sample, so the step's log-probs are honest), ending with the failure."""
-    if not failed:
-        return []
-    failed = sorted(failed, key=lambda item: item[0].episode_id)
-    heads = [encode_conversation(tokenizer, prompt_of[identity.episode_id].messages) for identity, _ in failed]
-    budget = max(1, min(sampling.max_new_tokens, settings.max_context_tokens - max(map(len, heads))))
-    generations = engine.generate(heads, replace(sampling, max_new_tokens=budget))
-    texts = tokenizer.batch_decode([g.token_ids for g in generations], skip_special_tokens=True)
+def _no_action_steps(tokenizer, failed: list[tuple[EpisodeIdentity, EpisodeEnd]],
+                     prompt_of) -> list[tuple[EpisodeIdentity, list[StepRecord]]]:
+    """One step for each episode whose program failed before any call: the opening it was given and
+    no action (nothing of the policy's to credit or train), ending with the failure."""
     results = []
-    for (identity, end), head, gen, text in zip(failed, heads, generations, texts):
+    for identity, end in sorted(failed, key=lambda item: item[0].episode_id):
+        head = encode_conversation(tokenizer, prompt_of[identity.episode_id].messages)
         info = {"gateway": True, "gateway_calls": 0, "error": end.failure, **end.info}
-        results.append((identity, [one_step_episode(identity, head, gen, text, termination="error", info=info,
-                                                    anchor=opening_anchor(head))]))
+        results.append((identity, [no_action_step(identity, head, info=info, anchor=opening_anchor(head))]))
     return results

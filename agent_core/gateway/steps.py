@@ -2,8 +2,9 @@
 
 Step k is call k; its `history` ("appended" or "rewritten") says how its prompt relates to step k-1's
 (schemas/steps.py). How the episode ended goes on its last step, as for any env: "answered" (answer in
-info["answer"]), a budget's truncation, or "error" (reason in info["error"]). A program that failed before
-making any call gets one step from `failed_before_any_call` instead of being dropped.
+info["answer"]; also after a budget refusal, info["refused"]), a budget's truncation when the program
+printed no answer, or "error" (reason in info["error"]). A program that failed before making any call
+leaves one step with no action (`no_call_step`): it is counted, never trained on.
 Design notes: docs/architecture.md §11 (agent_core/gateway/steps.py).
 """
 
@@ -42,9 +43,11 @@ def termination_of(calls: EpisodeCalls, end: EpisodeEnd) -> tuple[str, dict[str,
     """(termination, what the last step's info gets) for an episode that made calls."""
     if end.failure is not None:
         return "error", {"error": end.failure}
-    if calls.budget_hit is not None:
-        return calls.budget_hit, {"program_answer": end.answer}  # cut off: the answer is not scored
-    return "answered", {"answer": end.answer if end.answer is not None else ""}
+    if calls.budget_hit is not None and end.answer is None:
+        return calls.budget_hit, {}
+    # an answer printed after a refusal is the agent's answer, scored like any other
+    refused = {} if calls.budget_hit is None else {"refused": calls.budget_hit}
+    return "answered", {"answer": end.answer if end.answer is not None else "", **refused}
 
 
 def steps_from_calls(identity: EpisodeIdentity, calls: EpisodeCalls, end: EpisodeEnd,

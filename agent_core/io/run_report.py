@@ -52,6 +52,7 @@ def plot_run_curves(summaries: Sequence[IterationSummary], out_dir: Path, start_
 
 
 _TABLE_COLUMNS = (("mean reward", "mean_reward"), ("train EM", "em"), ("dev EM", "dev_em"),
+                  ("failed episodes", "failed_episodes"),
                   ("tool calls/episode", "tool_calls_per_episode"), ("steps/episode", "steps_per_episode"),
                   ("loss", "loss"), ("KL", "kl"), ("entropy", "entropy"))
 
@@ -75,4 +76,6 @@ def run_table_markdown(run_id: str, summaries: Sequence[IterationSummary], start
 
 
 def _cell(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
     return "-" if not math.isfinite(value) else f"{value:.3f}"

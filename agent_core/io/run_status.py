@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import duckdb
 import yaml
@@ -32,6 +33,7 @@ class RunStatus:
     iterations_planned: int | None  # None: the run recorded no config
     last_dev_em: float | None  # nan: no dev evaluation yet; None: its table is unreadable
     algorithm: str  # "?": not recorded, or unreadable
+    failed_episodes: tuple[int, int] | None  # (failed, all) over the run's steps tables; None: one is unreadable
     detail: str | None  # the error of a failed run, the audit's reason of a stopped one
     problems: tuple[str, ...] = ()  # one line per file that could not be read (`list_runs`)
 
@@ -115,6 +117,23 @@ def _last_dev_em(run: RunLayout, done: list[int], problems: list[str]) -> float 
     return math.nan
 
 
+def _failed_episodes(run: RunLayout, problems: list[str]) -> tuple[int, int] | None:
+    """(episodes that ended in an error, all episodes) over every steps table the run has written, the
+    table of a rollout whose episodes all failed too (it stopped the run: agentr1 runs says so)."""
+    tables = [uri for k in run.iterations() if Path(uri := run.table_uri(k, "steps")).is_file()]
+    if not tables:
+        return 0, 0
+    try:
+        with duckdb.connect() as con:
+            failed, episodes = con.execute(
+                "select count(*) filter (where termination = 'error'), count(*) from read_parquet(?) where done",
+                [tables]).fetchall()[0]
+    except (duckdb.Error, OSError) as error:
+        problems.append(f"a steps table is unreadable ({one_line(error)}): failed episodes shown as ?")
+        return None
+    return int(failed), int(episodes)
+
+
 def run_status(run: RunLayout) -> RunStatus:
     """The run's row for `agentr1 runs`; what a damaged file hides is `?` (None), with one line in
     `problems` naming the file and what is wrong with it."""
@@ -128,7 +147,7 @@ def run_status(run: RunLayout) -> RunStatus:
     status = "running" if lock_is_held(run.lock_path) else (recorded or "killed")
     return RunStatus(
         run_id=run.run_id, status=status, iterations_done=len(done), iterations_planned=planned,
-        last_dev_em=last_dev_em, algorithm=algorithm,
+        last_dev_em=last_dev_em, algorithm=algorithm, failed_episodes=_failed_episodes(run, problems),
         detail=detail if status in ("failed", "stopped") else None, problems=tuple(problems),
     )
 

@@ -15,6 +15,7 @@ from agent_core.io.layout import RunLayout
 class IterationSummary:
     iteration: int
     episodes: int
+    failed_episodes: int  # ended in an error (termination "error"): left out of training by default
     mean_reward: float  # mean over episodes of the episode's summed reward (the combined reward trained on)
     em: float
     f1: float
@@ -47,7 +48,11 @@ with episodes as (
 )
 select count(*), avg(ret), avg(em), avg(f1), avg(fmt), avg(steps) from episodes
 """
-_STEPS_SQL = "select coalesce(sum(len(response_ids)), 0), coalesce(sum(json_array_length(tool_calls)), 0) from read_parquet(?)"
+_STEPS_SQL = """
+select coalesce(sum(len(response_ids)), 0), coalesce(sum(json_array_length(tool_calls)), 0),
+       count(*) filter (where done and termination = 'error')
+from read_parquet(?)
+"""
 _TRAIN_SQL = """
 select avg(loss), avg(pg_loss), avg(vf_loss), avg(kl), avg(entropy), avg(clipfrac), avg(grad_norm),
        avg(tokens_per_s), count(*) filter (where skipped)
@@ -74,13 +79,13 @@ def episode_rewards(rewards_uri: str) -> tuple[int, float]:
 def iteration_summary(run: RunLayout, iteration: int) -> IterationSummary:
     with duckdb.connect() as con:
         episodes = con.execute(_EPISODES_SQL, [run.table_uri(iteration, "rewards")]).fetchall()[0]
-        generated, tool_calls = con.execute(_STEPS_SQL, [run.table_uri(iteration, "steps")]).fetchall()[0]
+        generated, tool_calls, failed = con.execute(_STEPS_SQL, [run.table_uri(iteration, "steps")]).fetchall()[0]
         train = con.execute(_TRAIN_SQL, [run.table_uri(iteration, "train_metrics")]).fetchall()[0]
     dev_em, dev_f1 = eval_scores(run.dev_eval_uri(iteration))
     count, reward, em, f1, fmt, steps = episodes
     loss, pg_loss, value_loss, kl, entropy, clipfrac, grad_norm, tokens_per_s, skipped = train
     return IterationSummary(
-        iteration=iteration, episodes=int(count), mean_reward=float(reward or 0.0), em=float(em or 0.0),
+        iteration=iteration, episodes=int(count), failed_episodes=int(failed), mean_reward=float(reward or 0.0), em=float(em or 0.0),
         f1=float(f1 or 0.0), format_score=float(fmt or 0.0), steps_per_episode=float(steps or 0.0),
         tool_calls_per_episode=float(tool_calls) / count if count else 0.0, generated_tokens=int(generated), loss=float(loss), pg_loss=float(pg_loss),
         value_loss=float("nan") if value_loss is None else float(value_loss), kl=float(kl),

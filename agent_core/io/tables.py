@@ -107,20 +107,29 @@ STEP_KEY = ("episode_id", "step_idx")
 
 
 def join_steps(steps_uri: str | os.PathLike, steps_columns: Sequence[str], table_name: str,
-               uri: str | os.PathLike, columns: Sequence[str]) -> list[dict[str, Any]]:
+               uri: str | os.PathLike, columns: Sequence[str], every_step: bool = True) -> list[dict[str, Any]]:
     """The one join of the steps table with a per-step table (rewards, advantages) on
     (episode_id, step_idx): one dict per step, in the steps table's order, holding `steps_columns`
     of the step and `columns` of its row in `table_name` at `uri`.
 
-    ValueError naming up to ten steps that have no row in the other table. Done in Python, since
-    Arrow's hash join drops list columns (token ids, log-probs, advantages).
+    every_step: ValueError naming up to ten steps that have no row in the other table; False (the
+    advantages table, which holds only the steps trained on): those steps are left out, and a row of
+    the other table with no step is the error. Done in Python, since Arrow's hash join drops list
+    columns (token ids, log-probs, advantages).
     """
     steps = read_table("steps", steps_uri).select(list(dict.fromkeys([*STEP_KEY, *steps_columns]))).to_pylist()
     other = read_table(table_name, uri).select(list(dict.fromkeys([*STEP_KEY, *columns]))).to_pylist()
     by_key = {(row["episode_id"], row["step_idx"]): row for row in other}
-    missing = [f"{s['episode_id']}/{s['step_idx']}" for s in steps if (s["episode_id"], s["step_idx"]) not in by_key]
-    if missing:
+    if every_step:
+        missing = [f"{s['episode_id']}/{s['step_idx']}" for s in steps if (s["episode_id"], s["step_idx"]) not in by_key]
+    else:
+        step_keys = {(s["episode_id"], s["step_idx"]) for s in steps}
+        missing = [f"{e}/{k}" for e, k in by_key if (e, k) not in step_keys]
+        steps = [s for s in steps if (s["episode_id"], s["step_idx"]) in by_key]
+    if missing and every_step:
         raise ValueError(f"{uri}: no {table_name} row for steps {missing[:10]} ({len(missing)} steps)")
+    if missing:
+        raise ValueError(f"{uri}: {table_name} rows {missing[:10]} have no row in {steps_uri} ({len(missing)} rows)")
     return [{**step, **{name: by_key[step["episode_id"], step["step_idx"]][name] for name in columns}} for step in steps]
 
 

@@ -1,15 +1,17 @@
 """One row of the `steps` table as a typed container (one LLM call + the env's answer), the one
-builder of a one-step episode (a driver's, the oracle's), the check of an env's answer, and the
-text helpers that make whatever an env returns storable in it."""
+builder of a one-step episode (a driver's, the oracle's) and of a step with no action, the count of
+failed episodes, the check of an env's answer, and the text helpers that make whatever an env
+returns storable in it."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 import math
 import re
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 from agent_core.envs.base import TERMINATIONS, EnvStep, ToolCall
 from agent_core.rollout.engine import Generation
@@ -83,7 +85,7 @@ class EpisodeIdentity:
 def one_step_episode(identity: EpisodeIdentity, prompt_ids: list[int], generation: Generation, response_text: str,
                      *, termination: str, info: dict[str, Any], anchor: str | None = None) -> StepRecord:
     """The only step of an episode that one generation ends (`termination`: answered, error, ...):
-    a program that failed before its first call, a naive-RAG demonstration, a plugin driver's episode."""
+    a naive-RAG demonstration, a plugin driver's episode."""
     if termination not in TERMINATIONS:
         raise ValueError(f"termination {termination!r} is not one of {', '.join(TERMINATIONS)}")
     version = identity.policy_version if generation.policy_version is None else generation.policy_version
@@ -96,6 +98,52 @@ def one_step_episode(identity: EpisodeIdentity, prompt_ids: list[int], generatio
         finish_reason=generation.finish_reason, prefix_shared=False, info=json_text(info),
         served_by=generation.served_by, retries=generation.retries, anchor=anchor, history="start",
     )
+
+
+def no_action_step(identity: EpisodeIdentity, prompt_ids: list[int], *, info: dict[str, Any],
+                   anchor: str | None = None) -> StepRecord:
+    """The only step of an episode that failed before the policy acted (termination "error", empty
+    response, finish_reason "none"; schemas/steps.py): it counts the failure and is never trained on."""
+    return StepRecord(
+        episode_id=identity.episode_id, group_id=identity.group_id, prompt_id=identity.prompt_id,
+        sample_idx=identity.sample_idx, step_idx=0, policy_version=identity.policy_version,
+        prompt_ids=list(prompt_ids), response_ids=[], response_logprobs=[], response_text="", tool_calls="[]",
+        parse_error=None, observation_text="", env_reward=0.0, done=True, termination="error", truncated=False,
+        finish_reason="none", prefix_shared=False, info=json_text(info), anchor=anchor, history="start",
+    )
+
+
+@dataclass(frozen=True)
+class EpisodeFailures:
+    """How many of a rollout's episodes failed (their last step's termination is "error": an agent
+    program that crashed, hung or made no call, an env that raised) and their commonest reason."""
+
+    episodes: int
+    failed: int
+    commonest: str = ""  # the first of the commonest reason (info["error"]), numbers aside
+    commonest_count: int = 0
+
+    @property
+    def all_failed(self) -> bool:
+        return self.episodes > 0 and self.failed == self.episodes
+
+    def describe(self) -> str:
+        """e.g. `20 of 20 episodes failed; 20 of them like: the program made no call to the gateway`."""
+        text = f"{self.failed} of {self.episodes} episodes failed"
+        return text + (f"; {self.commonest_count} of them like: {self.commonest}" if self.commonest else "")
+
+
+def episode_failures(records: Sequence[StepRecord]) -> EpisodeFailures:
+    """The failed episodes of `records` (EpisodeFailures); reasons that differ only in their numbers
+    (a prompt's length, a time) count as one."""
+    ends = [r for r in records if r.done]
+    reasons = [(str(json.loads(r.info).get("error") or "no reason recorded").splitlines() or [""])[0][:300]
+               for r in ends if r.termination == "error"]
+    kinds = Counter(re.sub(r"\d+", "#", reason) for reason in reasons)
+    if not kinds:
+        return EpisodeFailures(len(ends), 0)
+    kind, count = kinds.most_common(1)[0]
+    return EpisodeFailures(len(ends), len(reasons), next(r for r in reasons if re.sub(r"\d+", "#", r) == kind), count)
 
 
 def storable_env_step(outcome: EnvStep) -> EnvStep:

@@ -78,7 +78,7 @@ class TrainJob:
 def job_sequences(job: TrainJob):
     """The iteration's training sequences: each episode's steps with their advantages, in its layout."""
     rows = join_steps(job.steps_uri, ["group_id", "prompt_ids", "response_ids", "response_logprobs"],
-                      "advantages", job.advantages_uri, _ADVANTAGE_FIELDS)
+                      "advantages", job.advantages_uri, _ADVANTAGE_FIELDS, every_step=False)
     steps = [TrainStep(**{name: row[name] for name in _TRAIN_STEP_FIELDS}) for row in rows]
     return choose_layout([list(episode.steps) for episode in episodes_from_rows(steps)], job.layout)
 
