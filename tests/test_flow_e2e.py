@@ -112,7 +112,8 @@ def test_cli_runs_shows_the_finished_run(trained, capsys):
     assert cli_main(["runs", "--data-root", str(root.path)]) == 0
     row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("e2e "))
     assert row[:3] == ["e2e", "finished", f"{config.iterations}/{config.iterations}"]
-    assert float(row[3]) == pytest.approx(result.iterations[-1].dev_em, abs=5e-4) and row[4] == "grpo"
+    assert float(row[3]) == pytest.approx(result.iterations[-1].dev_em, abs=5e-4) and row[5] == "grpo"
+    assert row[4] == f"0/{sum(s.episodes for s in result.iterations)}"  # failed episodes / all
 
 
 def test_rerun_one_stage_rewrites_only_its_table(trained):
