@@ -108,7 +108,7 @@ def _train_steps(records) -> list[TrainStep]:
                       advantages=[0.0] * len(r.response_ids)) for r in records]
 
 
-class _ScriptedEngine:
+class ScriptedEngine:
     """Answers every call with the ids of a fixed text (log-prob -0.5 each): a policy that calls a tool."""
 
     def __init__(self, tokenizer, text: str):
@@ -121,7 +121,7 @@ class _ScriptedEngine:
 
 
 def test_hermes_tool_calls_come_back_in_openais_shape_and_the_tool_result_appends(tokenizer):
-    engine = _ScriptedEngine(tokenizer, 'Let me look. <tool_call>\n{"name": "search", "arguments": {"query": "Harbor"}}\n</tool_call>')
+    engine = ScriptedEngine(tokenizer, 'Let me look. <tool_call>\n{"name": "search", "arguments": {"query": "Harbor"}}\n</tool_call>')
     with Gateway(engine, tokenizer, _sampling(tokenizer), GatewayLimits(max_calls=4, max_context_tokens=512),
                  ChatCapabilities()) as gateway:
         token = gateway.open_episode("tools")
@@ -146,7 +146,7 @@ def test_hermes_tool_calls_come_back_in_openais_shape_and_the_tool_result_append
 
 
 def test_budgets_refuse_with_400_and_end_the_episode_as_a_truncation_unless_the_agent_answers(tokenizer):
-    engine = _ScriptedEngine(tokenizer, "Ana")
+    engine = ScriptedEngine(tokenizer, "Ana")
     with Gateway(engine, tokenizer, _sampling(tokenizer), GatewayLimits(max_calls=1, max_context_tokens=512)) as gateway:
         token = gateway.open_episode("budget")
         client = _client(gateway, token)
@@ -164,17 +164,17 @@ def test_budgets_refuse_with_400_and_end_the_episode_as_a_truncation_unless_the_
     assert calls.refusal == "this episode has used its 1 calls (rollout.max_steps)"
 
 
-def test_streaming_is_refused_with_a_clear_400(tokenizer):
-    with Gateway(_ScriptedEngine(tokenizer, "x"), tokenizer, _sampling(tokenizer),
+def test_several_choices_are_refused_with_a_clear_400(tokenizer):
+    with Gateway(ScriptedEngine(tokenizer, "x"), tokenizer, _sampling(tokenizer),
                  GatewayLimits(max_calls=2, max_context_tokens=512)) as gateway:
-        client = _client(gateway, gateway.open_episode("stream"))
-        with pytest.raises(openai.BadRequestError, match="stream"):
-            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], stream=True)
+        client = _client(gateway, gateway.open_episode("choices"))
+        with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], n=2)
         assert [m.id for m in client.models.list().data] == ["policy"]
 
 
 def test_a_stop_string_ends_the_reply_and_the_recorded_ids(tokenizer):
-    engine = _ScriptedEngine(tokenizer, "The answer is Ana. Then more text")
+    engine = ScriptedEngine(tokenizer, "The answer is Ana. Then more text")
     with Gateway(engine, tokenizer, _sampling(tokenizer), GatewayLimits(max_calls=2, max_context_tokens=512)) as gateway:
         token = gateway.open_episode("stop")
         reply = _client(gateway, token).chat.completions.create(

@@ -17,8 +17,10 @@ from typing import Any
 
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.gateway.batching import DEFAULT_WINDOW_S, EngineQueue
+from agent_core.envs.formats.hermes import TOOL_CALL_CLOSE
 from agent_core.gateway.openai_format import (
-    ChatRequest, chat_messages, completion_body, conversation, parse_tool_calls, same_assistant_turn, template_tools,
+    ChatRequest, Completion, chat_messages, conversation, forced_prefix, one_call_only, parse_tool_calls,
+    same_assistant_turn, template_tools,
 )
 from agent_core.rollout.chat import encode_conversation, encode_observation_messages, eos_token_ids
 from agent_core.rollout.engine import Engine, SamplingParams
@@ -135,23 +137,26 @@ class GatewayCore:
         with self._lock:
             return token in self._episodes
 
-    def complete(self, token: str, request: ChatRequest) -> dict[str, Any]:
-        """Serve one request of the episode holding `token`; the OpenAI response body. GatewayError
+    def complete(self, token: str, request: ChatRequest) -> Completion:
+        """Serve one request of the episode holding `token`; the reply, for any API to format. GatewayError
         for an unknown or finished token (401) or a request over the episode's budgets (400)."""
         episode = self._reserve(token)
         try:
-            call, content, tool_calls = self._generate(episode, request)
+            call, completion = self._generate(episode, request)
         except BaseException:
             self._release(episode)
             raise
-        self._record(token, episode, call, request, content, tool_calls)
-        return completion_body(model=self.model_name, content=content, tool_calls=tool_calls,
-                               finish_reason=call.finish_reason, prompt_tokens=len(call.prompt_ids),
-                               completion_tokens=len(call.response_ids))
+        self._record(token, episode, call, request, completion.content, list(completion.tool_calls))
+        return completion
 
-    def _generate(self, episode: _Episode, request: ChatRequest) -> tuple[GatewayCall, str, list[dict]]:
-        """The call served for `request` (its call_idx is set when recorded), its reply content and tool_calls."""
+    def _generate(self, episode: _Episode, request: ChatRequest) -> tuple[GatewayCall, Completion]:
+        """The call served for `request` (its call_idx is set when recorded) and its reply. A tool_choice
+        that requires a call puts the call's opening at the prompt's end (`forced_prefix`): the policy
+        writes, and is trained on, only the rest."""
         prompt_ids, appended = self._prompt_ids(episode, request)
+        forced = forced_prefix(request)
+        if forced:
+            prompt_ids = [*prompt_ids, *self.tokenizer.encode(forced, add_special_tokens=False)]
         params, requested = self._params(request)
         if len(prompt_ids) + params.max_new_tokens > self.limits.max_context_tokens:
             message = (f"the prompt is {len(prompt_ids)} tokens; with max_tokens={params.max_new_tokens} it exceeds "
@@ -161,8 +166,13 @@ class GatewayCore:
         params = replace(params, seed=self._draw_seed(episode))
         served = self.engine_queue.generate(prompt_ids, params, episode.episode_id)
         generation = served.generation
-        ids, logprobs, text, finish = cut_at_stop(self.tokenizer, generation, request.stop)
-        content, tool_calls, action = parse_tool_calls(text, request)
+        ids, logprobs, text, finish, stop = cut_at_stop(self.tokenizer, list(generation.token_ids),
+                                                        list(generation.logprobs), generation.finish_reason,
+                                                        request.stop)
+        if one_call_only(request) and TOOL_CALL_CLOSE in forced + text:  # parallel_tool_calls false: the first call
+            ids, logprobs, text, finish, _ = cut_at_stop(self.tokenizer, ids, logprobs, finish, (TOOL_CALL_CLOSE,),
+                                                         keep_stop=True)
+        content, tool_calls, action = parse_tool_calls(forced + text, request)
         # plain text is how an OpenAI client's agent answers: only a call that does not parse is malformed
         errors = [] if action is None else [f"{e.kind}: {e.message}" for e in action.errors if e.kind != "no_action"]
         call = GatewayCall(
@@ -174,7 +184,9 @@ class GatewayCore:
             generated_at=time.time(), generate_seconds=round(served.seconds, 6), requested=json_text(requested),
             batch_size=served.batch_size,
         )
-        return call, content, tool_calls
+        tokens = tuple(self.tokenizer.decode([i]) for i in ids) if request.logprobs else ()
+        return call, Completion(content, tuple(tool_calls), finish, len(prompt_ids), len(ids), tokens,
+                                tuple(logprobs) if request.logprobs else (), stop)
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -247,6 +259,8 @@ class GatewayCore:
         base, requested = self.sampling, {}
         max_new = min(request.max_tokens or base.max_new_tokens, base.max_new_tokens)
         temperature, top_p = base.temperature, base.top_p
+        if request.seed is not None:  # the run's seeding decides, so steps replay
+            requested["seed"] = request.seed
         for name, value in (("temperature", request.temperature), ("top_p", request.top_p)):
             if value is not None and value != getattr(base, name):
                 if self.limits.honor_request_sampling:
@@ -264,18 +278,18 @@ class GatewayCore:
             return self._active
 
 
-def cut_at_stop(tokenizer, generation: Generation, stops: tuple[str, ...]) -> tuple[list[int], list[float], str, str]:
-    """(ids, log-probs, text, finish reason) of `generation` ended at the first stop string, if one
-    occurs: the ids are kept up to the token that completes it (they were sampled; the text is cut
-    before the stop string, as OpenAI returns it)."""
-    ids, logprobs = list(generation.token_ids), list(generation.logprobs)
+def cut_at_stop(tokenizer, ids: list[int], logprobs: list[float], finish: str, stops: tuple[str, ...],
+                keep_stop: bool = False) -> tuple[list[int], list[float], str, str, str | None]:
+    """(ids, log-probs, text, finish reason, the stop string hit) of a generation ended at the first stop
+    string, if one occurs: the ids are kept up to the token that completes it (they were sampled; the
+    text is cut before the stop string, as OpenAI returns it, or after it with `keep_stop`)."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     if not stops or not any(stop in text for stop in stops):
-        return ids, logprobs, text, generation.finish_reason
+        return ids, logprobs, text, finish, None
     for k in range(1, len(ids) + 1):
         prefix = tokenizer.decode(ids[:k], skip_special_tokens=True)
-        hits = [prefix.index(stop) for stop in stops if stop in prefix]
+        hits = sorted((prefix.index(stop), stop) for stop in stops if stop in prefix)
         if hits:
-            return ids[:k], logprobs[:k], prefix[:min(hits)], "stop"
-    return ids, logprobs, text, generation.finish_reason
-
+            at, stop = hits[0]
+            return ids[:k], logprobs[:k], prefix[:at + len(stop)] if keep_stop else prefix[:at], "stop", stop
+    return ids, logprobs, text, finish, None

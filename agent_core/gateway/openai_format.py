@@ -1,7 +1,7 @@
 """OpenAI chat-completions requests in, typed; the policy's chat messages out; OpenAI responses back.
 
-Only the fields the gateway serves are read; others are ignored, as OpenAI-compatible servers do. A request
-it cannot serve, or any string in it that is not valid Unicode, is a `RequestError` (HTTP 400). A conversation
+A field the gateway does not serve is refused by name, never ignored; so is any string that is not valid
+Unicode: a `RequestError` (HTTP 400). A streamed request gets the same completion as server-sent events. A conversation
 becomes the chat messages our `tool_env` gives with the hermes format (tools, `<tool_call>` blocks,
 `<tool_response>` turns), so a policy trained in either sees one convention.
 Design notes: docs/architecture.md §11 (agent_core/gateway/openai_format.py).
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from agent_core.envs.formats.actions import ParsedAction, ParsedCall
-from agent_core.envs.formats.hermes import HermesFormat
+from agent_core.envs.formats.hermes import TOOL_CALL_OPEN, HermesFormat
 from agent_core.envs.tool_env import ChatCapabilities, add_instructions
 from agent_core.types import ChatMessage
 
@@ -29,18 +29,48 @@ class RequestError(ValueError):
     """A request the gateway refuses (HTTP 400); the message is one line."""
 
 
+# Every field a request may carry. Those in _NEUTRAL only with a value that changes nothing; the rest are
+# served (sampling fields the run's settings override are recorded: core.GatewayCore._params).
+_ACCEPTED = {"model", "messages", "tools", "tool_choice", "temperature", "top_p", "max_tokens", "max_completion_tokens",
+             "stop", "n", "stream", "stream_options", "parallel_tool_calls", "logprobs", "top_logprobs", "seed", "user",
+             "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "frequency_penalty",
+             "presence_penalty", "logit_bias", "response_format", "modalities", "reasoning_effort"}
+_NEUTRAL = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "top_logprobs": (0,),
+            "response_format": ({"type": "text"},), "modalities": (["text"],), "reasoning_effort": ()}
+
+
 @dataclass(frozen=True)
 class ChatRequest:
-    """What the gateway reads from one chat-completions request."""
+    """What the gateway reads from one chat-completions request (the Responses and Messages APIs'
+    requests are turned into one: responses_format.py, messages_format.py)."""
 
     model: str
     messages: tuple[Mapping[str, Any], ...]  # as sent (OpenAI shape), checked
     tools: tuple[Mapping[str, Any], ...]
-    tool_choice: Any
+    tool_choice: Any  # auto | none | required | {"type": "function", "function": {"name": ...}}, checked
     temperature: float | None
     top_p: float | None
     max_tokens: int | None
     stop: tuple[str, ...]
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    parallel_tool_calls: bool = True  # False: the reply ends after its first tool call
+    logprobs: bool = False  # return each generated token's log-prob (the sampling distribution's)
+    seed: int | None = None  # recorded; the run's seeding decides (core.GatewayCore._params)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One served reply, whatever API asked for it: its text, OpenAI-shaped tool calls and counts."""
+
+    content: str
+    tool_calls: tuple[dict, ...]
+    finish_reason: str  # stop | length (the reply's is tool_calls when it has calls)
+    prompt_tokens: int
+    completion_tokens: int
+    tokens: tuple[str, ...] = ()  # each generated token's text, with `logprobs`, when the request asked
+    logprobs: tuple[float, ...] = ()
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 def parse_request(body: Any) -> ChatRequest:
@@ -48,8 +78,7 @@ def parse_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     _check_unicode(body)
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported by this gateway: send non-streaming requests")
+    _check_served(body)
     if body.get("n", 1) != 1:
         raise RequestError(f"n={body.get('n')!r} is not supported: one choice per request (n=1)")
     messages = body.get("messages")
@@ -60,9 +89,7 @@ def parse_request(body: Any) -> ChatRequest:
     tools = body.get("tools") or []
     if not isinstance(tools, list) or not all(_is_function_tool(tool) for tool in tools):
         raise RequestError('tools must be a list of {"type": "function", "function": {"name": ...}} objects')
-    tool_choice = body.get("tool_choice", "auto")
-    if tool_choice not in ("auto", "none", "required") and not isinstance(tool_choice, dict):
-        raise RequestError(f"tool_choice {tool_choice!r} is not one of auto, none, required or a function")
+    tool_choice = _tool_choice(body.get("tool_choice", "auto"), tools)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
@@ -73,8 +100,74 @@ def parse_request(body: Any) -> ChatRequest:
     return ChatRequest(
         model=str(body.get("model", "")), messages=tuple(messages), tools=tuple(tools), tool_choice=tool_choice,
         temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
-        max_tokens=max_tokens, stop=tuple(stop),
+        max_tokens=max_tokens, stop=tuple(stop), stream=_flag(body, "stream", False),
+        include_usage=_flag(body.get("stream_options") or {}, "include_usage", False),
+        parallel_tool_calls=_flag(body, "parallel_tool_calls", True), logprobs=_flag(body, "logprobs", False),
+        seed=_seed(body.get("seed")),
     )
+
+
+def _check_served(body: Mapping[str, Any]) -> None:
+    """RequestError naming the fields this gateway does not serve (module docstring)."""
+    unknown = sorted(key for key in body if key not in _ACCEPTED)
+    if unknown:
+        raise RequestError(f"{', '.join(map(_printable, unknown))}: not supported by this gateway")
+    for key, neutral in _NEUTRAL.items():
+        if body.get(key) is not None and body[key] not in neutral:
+            raise RequestError(f"{key}={json.dumps(body[key])[:80]} is not supported by this gateway")
+    if body.get("stream_options") is not None and (not isinstance(body["stream_options"], dict)
+                                                   or set(body["stream_options"]) - {"include_usage"}):
+        raise RequestError("stream_options: only include_usage is supported")
+
+
+def _tool_choice(choice: Any, tools: list) -> Any:
+    """`choice` checked against the tools offered: a named function must be one of them."""
+    names = [tool["function"]["name"] for tool in tools]
+    if choice in ("auto", "none"):
+        return choice
+    if choice == "required":
+        if not tools:
+            raise RequestError("tool_choice=required needs tools")
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise RequestError(f"tool_choice {choice!r} is not one of auto, none, required or "
+                           '{"type": "function", "function": {"name": ...}}')
+    if name not in names:
+        raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools offered "
+                           f"({', '.join(names) or 'none'})")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _seed(value: Any) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise RequestError(f"seed must be an integer, got {value!r}")
+    return value
+
+
+def forced_prefix(request: ChatRequest) -> str:
+    """What the reply must start with for `tool_choice` (required: a call; a named function: a call of
+    it), put at the end of the prompt so the policy writes the rest; "" otherwise."""
+    if not request.tools or request.tool_choice in ("auto", "none"):
+        return ""
+    if request.tool_choice == "required":
+        return TOOL_CALL_OPEN + "\n"
+    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(request.tool_choice["function"]["name"])}, "arguments": '
+
+
+def one_call_only(request: ChatRequest) -> bool:
+    """Whether the reply ends after its first tool call (parallel_tool_calls false, or a named function)."""
+    return bool(request.tools) and (not request.parallel_tool_calls or isinstance(request.tool_choice, dict))
 
 
 def _check_unicode(body: Any) -> None:
@@ -217,19 +310,58 @@ def parse_tool_calls(text: str, request: ChatRequest) -> tuple[str, list[dict], 
     return content, calls, action
 
 
-def completion_body(*, model: str, content: str, tool_calls: Sequence[dict], finish_reason: str,
-                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def completion_body(completion: Completion, model: str, logprobs: bool = False) -> dict[str, Any]:
     """An OpenAI chat.completion object with one choice."""
-    message: dict[str, Any] = {"role": "assistant", "content": content or (None if tool_calls else "")}
-    if tool_calls:
-        message["tool_calls"] = list(tool_calls)
-    reason = "tool_calls" if tool_calls else finish_reason
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": completion.content or (None if completion.tool_calls else "")}
+    if completion.tool_calls:
+        message["tool_calls"] = list(completion.tool_calls)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-        "model": model, "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "model": model, "choices": [{"index": 0, "message": message, "finish_reason": _reason(completion),
+                                     "logprobs": _logprobs(completion) if logprobs else None}],
+        "usage": _usage(completion),
     }
+
+
+def completion_chunks(completion: Completion, model: str, include_usage: bool = False,
+                      logprobs: bool = False) -> list[dict[str, Any]]:
+    """The same reply as chat.completion.chunk objects, for a streamed request: the role, the text, each
+    tool call whole, the finish reason, and the usage when asked (stream_options.include_usage). The
+    reply is generated before it is sent, so the chunks arrive together."""
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
+
+    def chunk(delta: dict, finish: str | None = None, with_logprobs: bool = False) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish,
+                  "logprobs": _logprobs(completion) if with_logprobs else None}
+        return {**base, "choices": [choice]}
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    if completion.content:
+        chunks.append(chunk({"content": completion.content}, with_logprobs=logprobs))
+    for index, call in enumerate(completion.tool_calls):
+        chunks.append(chunk({"tool_calls": [{"index": index, **call}]},
+                            with_logprobs=logprobs and not completion.content and index == 0))
+    chunks.append(chunk({}, _reason(completion)))
+    if include_usage:
+        chunks.append({**base, "choices": [], "usage": _usage(completion)})
+    return chunks
+
+
+def _reason(completion: Completion) -> str:
+    return "tool_calls" if completion.tool_calls else completion.finish_reason
+
+
+def _usage(completion: Completion) -> dict[str, int]:
+    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
+            "total_tokens": completion.prompt_tokens + completion.completion_tokens}
+
+
+def _logprobs(completion: Completion) -> dict[str, Any]:
+    """OpenAI's logprobs object: each generated token's text and log-prob (no alternatives)."""
+    return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "top_logprobs": []}
+                        for token, logprob in zip(completion.tokens, completion.logprobs)], "refusal": None}
 
 
 def error_body(message: str, kind: str, code: str | None = None) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 the run's engine through the gateway; its calls become the episode's steps.
 
 For each episode the gateway opens a bearer token, the program gets it as OPENAI_API_KEY with
-OPENAI_BASE_URL, AGENTR1_EPISODE_ID and AGENTR1_CORPUS (the dataset's corpus Parquet, when there is
+OPENAI_BASE_URL (and as ANTHROPIC_API_KEY with ANTHROPIC_BASE_URL), AGENTR1_EPISODE_ID and AGENTR1_CORPUS (the dataset's corpus Parquet, when there is
 one), and the prompt on stdin as JSON: {"prompt_id", "messages", "env_kwargs", "metadata"} (never
 the gold answers). `run_programs` (agent_core/envs/agent_program.py) runs them, bounded and time
 limited, each in `settings.jail` (the data root hidden but for the corpus; own PID namespace and
@@ -77,7 +77,7 @@ def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], s
             report(1, total=len(identities))
 
         jobs = [ProgramJob(identity.episode_id, _stdin(prompt_of[identity.episode_id]),
-                           _environment(gateway.base_url, tokens[identity.episode_id], identity.episode_id,
+                           _environment(gateway, tokens[identity.episode_id], identity.episode_id,
                                         settings.corpus_path))
                 for identity in identities]
         outcomes = run_programs(spec, jobs, on_done, settings.jail)
@@ -113,8 +113,9 @@ def _stdin(prompt: Prompt) -> dict[str, Any]:
             "env_kwargs": dict(prompt.env_kwargs), "metadata": dict(prompt.metadata)}
 
 
-def _environment(base_url: str, token: str, episode_id: str, corpus_path: str | None) -> dict[str, str]:
-    env = {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": token, "AGENTR1_EPISODE_ID": episode_id}
+def _environment(gateway: Gateway, token: str, episode_id: str, corpus_path: str | None) -> dict[str, str]:
+    env = {"OPENAI_BASE_URL": gateway.base_url, "OPENAI_API_KEY": token, "ANTHROPIC_BASE_URL": gateway.root_url,
+           "ANTHROPIC_API_KEY": token, "AGENTR1_EPISODE_ID": episode_id}
     if corpus_path:
         env["AGENTR1_CORPUS"] = corpus_path
     return env

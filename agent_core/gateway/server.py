@@ -5,8 +5,10 @@
         ...  # the agent calls f"{gateway.base_url}/chat/completions"
         calls = gateway.finish_episode(token)     # the episode's calls; its token is refused from now on
 
-Endpoints: `POST /v1/chat/completions` (non-streaming; `stream: true` is refused with 400) and
-`GET /v1/models`. Every request needs `Authorization: Bearer <an open episode's token>` (else 401);
+Endpoints: `POST /v1/chat/completions` (also streamed, as server-sent events), `POST /v1/responses`
+(OpenAI's Responses API), `POST /v1/messages` (Anthropic's Messages API) and `GET /v1/models`, all
+over one recording per episode. Every request needs its episode's token, as `Authorization: Bearer
+<token>` or `x-api-key: <token>` (what the Anthropic client sends), else 401;
 a body over `max_body_bytes` is refused with 413 before it is parsed, whether or not it declares its
 length. No endpoint returns recorded calls: what an episode did leaves the gateway only through
 `finish_episode`, in this process. The socket is bound to 127.0.0.1 only (never 0.0.0.0), on a free
@@ -21,15 +23,19 @@ import logging
 import socket
 import threading
 import time
+from typing import Any, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from agent_core.envs.tool_env import ChatCapabilities
+from agent_core.gateway import messages_format, responses_format
 from agent_core.gateway.core import EpisodeCalls, GatewayCore, GatewayError, GatewayLimits
-from agent_core.gateway.openai_format import RequestError, error_body, parse_request
+from agent_core.gateway.openai_format import (
+    ChatRequest, Completion, RequestError, completion_body, completion_chunks, error_body, parse_request,
+)
 from agent_core.rollout.engine import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -47,25 +53,15 @@ def build_app(core: GatewayCore, max_body_bytes: int) -> FastAPI:
     """The FastAPI app over `core` (module docstring)."""
     app = FastAPI(title="agentr1 gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def refuse(status: int, message: str, code: str) -> JSONResponse:
-        kind = {401: "authentication_error", 413: "invalid_request_error"}.get(status, "invalid_request_error")
-        return JSONResponse(error_body(message, kind, code), status_code=status)
-
     def token_of(request: Request) -> str | None:
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        token = token.strip()
-        return token if scheme.lower() == "bearer" and token and core.is_open(token) else None
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        token = bearer.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+        return token if token and core.is_open(token) else None
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        if token_of(request) is None:
-            return refuse(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
-        return JSONResponse({"object": "list", "data": [
-            {"id": core.model_name, "object": "model", "created": 0, "owned_by": "agentr1"}]})
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
+    async def serve(request: Request, to_chat: Callable[[Any], ChatRequest],
+                    reply: Callable[[Completion, ChatRequest], Response], anthropic: bool = False) -> Response:
+        """Authenticate, read and convert the body, complete it under the episode's token, format the reply."""
+        refuse = _refusal(anthropic)
         token = token_of(request)
         if token is None:
             return refuse(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
@@ -74,17 +70,55 @@ def build_app(core: GatewayCore, max_body_bytes: int) -> FastAPI:
         except _BodyTooLarge:
             return refuse(413, f"request body over the gateway's limit of {max_body_bytes} bytes", "request_too_large")
         try:
-            chat_request = parse_request(json.loads(raw))
+            chat_request = to_chat(json.loads(raw))
         except (ValueError, RecursionError) as error:  # RequestError is a ValueError; so is bad JSON
             message = str(error) if isinstance(error, RequestError) else f"the body is not valid JSON: {error}"
             return refuse(400, message.splitlines()[0] if message else "bad request", "invalid_request")
         try:
-            body = await run_in_threadpool(core.complete, token, chat_request)
+            completion = await run_in_threadpool(core.complete, token, chat_request)
         except GatewayError as error:
             return refuse(error.status, str(error), error.code)
-        return JSONResponse(body)
+        return reply(completion, chat_request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        if token_of(request) is None:
+            return _refusal(False)(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
+        return JSONResponse({"object": "list", "data": [
+            {"id": core.model_name, "object": "model", "created": 0, "owned_by": "agentr1"}]})
+
+    def chat_reply(completion: Completion, chat: ChatRequest) -> Response:
+        if not chat.stream:
+            return JSONResponse(completion_body(completion, core.model_name, chat.logprobs))
+        events = [f"data: {json.dumps(chunk)}\n\n" for chunk in
+                  completion_chunks(completion, core.model_name, chat.include_usage, chat.logprobs)]
+        return StreamingResponse(iter([*events, "data: [DONE]\n\n"]), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, parse_request, chat_reply)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve(request, responses_format.chat_request, lambda completion, chat: JSONResponse(
+            responses_format.response_body(completion, chat, core.model_name)))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await serve(request, messages_format.chat_request, lambda completion, chat: JSONResponse(
+            messages_format.message_body(completion, chat, core.model_name)), anthropic=True)
 
     return app
+
+
+def _refusal(anthropic: bool) -> Callable[[int, str, str], JSONResponse]:
+    """An error response in the API's own shape (OpenAI's, or Anthropic's for /v1/messages)."""
+    def refuse(status: int, message: str, code: str) -> JSONResponse:
+        kind = {401: "authentication_error"}.get(status, "invalid_request_error")
+        body = {"type": "error", "error": {"type": kind, "message": message}} if anthropic \
+            else error_body(message, kind, code)
+        return JSONResponse(body, status_code=status)
+    return refuse
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -116,9 +150,14 @@ class Gateway:
     @property
     def base_url(self) -> str:
         """What an OpenAI client takes as base_url (OPENAI_BASE_URL)."""
+        return f"{self.root_url}/v1"
+
+    @property
+    def root_url(self) -> str:
+        """What an Anthropic client takes as base_url (ANTHROPIC_BASE_URL): it adds /v1/messages itself."""
         if self.port is None:
             raise RuntimeError("the gateway is not running; use it as a context manager")
-        return f"http://{HOST}:{self.port}/v1"
+        return f"http://{HOST}:{self.port}"
 
     def open_episode(self, episode_id: str) -> str:
         return self.core.open_episode(episode_id)

@@ -1,0 +1,160 @@
+"""The APIs agents use, through their official clients against the real gateway: chat completions
+streamed, tool_choice and parallel_tool_calls honoured by what is generated, log-probs returned,
+fields the gateway does not serve refused by name; OpenAI's Responses API and Anthropic's Messages
+API over the same episode recording (an agent's appended history packs whichever API it speaks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+from agent_core.gateway import Gateway, GatewayLimits  # noqa: E402
+from agent_core.gateway.steps import EpisodeEnd, EpisodeIdentity, steps_from_calls  # noqa: E402
+from agent_core.rollout.chat import eos_token_ids  # noqa: E402
+from tests.test_gateway import TOOLS, ScriptedEngine, _client, _sampling, engine, tokenizer  # noqa: E402,F401
+
+CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "Harbor"}}\n</tool_call>'
+LIMITS = GatewayLimits(max_calls=4, max_context_tokens=2048)
+QUESTION = [{"role": "user", "content": "Who directed Harbor?"}]
+
+
+def _served(tokenizer, text: str, **request):
+    """(the reply through the real client, the episode's recorded calls, the engine) for one request."""
+    engine = ScriptedEngine(tokenizer, text)
+    with Gateway(engine, tokenizer, _sampling(tokenizer), LIMITS) as gateway:
+        token = gateway.open_episode("ep")
+        reply = _client(gateway, token).chat.completions.create(model="policy", messages=QUESTION, **request)
+        calls = gateway.finish_episode(token)
+    return reply, calls, engine
+
+
+def test_a_streamed_reply_is_the_same_completion_and_the_same_recording(tokenizer):
+    engine = ScriptedEngine(tokenizer, "Let me look. " + CALL)
+    with Gateway(engine, tokenizer, _sampling(tokenizer), LIMITS) as gateway:
+        token = gateway.open_episode("ep")
+        client = _client(gateway, token)
+        plain = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS)
+        chunks = list(client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS, stream=True,
+                                                     stream_options={"include_usage": True}))
+        calls = gateway.finish_episode(token).calls
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed_calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert content == plain.choices[0].message.content == "Let me look."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed_calls] == [("search", {"query": "Harbor"})]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens == len(engine.ids)
+    assert len(calls) == 2 and calls[0].response_ids == calls[1].response_ids == engine.ids
+
+
+def test_tool_choice_required_and_named_put_the_calls_opening_in_the_prompt(tokenizer):
+    rest = '{"name": "search", "arguments": {"query": "Harbor"}}\n</tool_call>'
+    reply, calls, engine = _served(tokenizer, rest, tools=TOOLS, tool_choice="required")
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "search" and reply.choices[0].finish_reason == "tool_calls"
+    opening = tokenizer.encode("<tool_call>\n", add_special_tokens=False)
+    assert engine.prompts[0][-len(opening):] == opening  # the policy wrote only what follows
+    assert calls.calls[0].prompt_ids[-len(opening):] == opening and calls.calls[0].response_ids == engine.ids
+    reply, calls, engine = _served(tokenizer, '{"query": "Harbor"}}\n</tool_call>', tools=TOOLS,
+                                   tool_choice={"type": "function", "function": {"name": "search"}})
+    assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments) == {"query": "Harbor"}
+    assert tokenizer.decode(engine.prompts[0]).endswith('<tool_call>\n{"name": "search", "arguments": ')
+    # auto (the default) forces nothing; none offers no tools and parses no call
+    _, _, engine = _served(tokenizer, CALL, tools=TOOLS)
+    assert not tokenizer.decode(engine.prompts[0]).endswith("<tool_call>\n")
+    reply, _, engine = _served(tokenizer, CALL, tools=TOOLS, tool_choice="none")
+    assert reply.choices[0].message.tool_calls is None and "search the corpus" not in tokenizer.decode(engine.prompts[0])
+    with pytest.raises(openai.BadRequestError, match="'lookup', which is not among the tools offered"):
+        _served(tokenizer, CALL, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "lookup"}})
+
+
+def test_parallel_tool_calls_false_ends_the_reply_and_the_recorded_ids_after_the_first_call(tokenizer):
+    two = CALL + "\n" + CALL.replace("Harbor", "Ana")
+    reply, calls, engine = _served(tokenizer, two, tools=TOOLS)
+    assert len(reply.choices[0].message.tool_calls) == 2
+    reply, calls, engine = _served(tokenizer, two, tools=TOOLS, parallel_tool_calls=False)
+    (only,) = reply.choices[0].message.tool_calls
+    assert json.loads(only.function.arguments) == {"query": "Harbor"}
+    (call,) = calls.calls
+    assert tokenizer.decode(call.response_ids).endswith("</tool_call>") and len(call.response_ids) < len(engine.ids)
+    assert call.response_ids == engine.ids[:len(call.response_ids)]
+    assert len(call.response_logprobs) == len(call.response_ids)
+
+
+def test_logprobs_are_returned_when_asked_and_are_the_recorded_ones(engine, tokenizer):
+    with Gateway(engine, tokenizer, _sampling(tokenizer), LIMITS) as gateway:
+        token = gateway.open_episode("ep")
+        client = _client(gateway, token)
+        without = client.chat.completions.create(model="policy", messages=QUESTION)
+        reply = client.chat.completions.create(model="policy", messages=QUESTION, logprobs=True)
+        calls = gateway.finish_episode(token).calls
+    assert without.choices[0].logprobs is None
+    returned = reply.choices[0].logprobs.content
+    assert [t.logprob for t in returned] == pytest.approx(calls[1].response_logprobs)
+    assert "".join(t.token for t in returned).strip() == reply.choices[0].message.content.strip()
+
+
+def test_a_field_the_gateway_does_not_serve_is_refused_by_name_never_ignored(tokenizer):
+    for request, named in (({"response_format": {"type": "json_object"}}, "response_format"),
+                           ({"extra_body": {"best_of": 3}}, "best_of"),
+                           ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+                           ({"frequency_penalty": 0.5}, "frequency_penalty")):
+        with pytest.raises(openai.BadRequestError, match=named):
+            _served(tokenizer, "Ana", **request)
+    _, calls, _ = _served(tokenizer, "Ana", seed=3, frequency_penalty=0, response_format={"type": "text"})
+    assert json.loads(calls.calls[0].requested) == {"seed": 3}  # recorded: the run's seeding decides
+
+
+def test_the_responses_api_serves_the_same_recording_and_an_appended_turn_packs(tokenizer):
+    engine = ScriptedEngine(tokenizer, CALL)
+    tools = [{"type": "function", "name": "search", "description": "search the corpus",
+              "parameters": TOOLS[0]["function"]["parameters"]}]
+    with Gateway(engine, tokenizer, _sampling(tokenizer), LIMITS) as gateway:
+        token = gateway.open_episode("ep")
+        client = _client(gateway, token)
+        first = client.responses.create(model="policy", instructions="Answer briefly.", input="Who directed Harbor?",
+                                        tools=tools)
+        (call,) = [item for item in first.output if item.type == "function_call"]
+        assert call.name == "search" and json.loads(call.arguments) == {"query": "Harbor"}
+        history = [{"role": "user", "content": "Who directed Harbor?"}, *[i.model_dump(exclude_none=True) for i in first.output],
+                   {"type": "function_call_output", "call_id": call.call_id, "output": "Harbor was directed by Ana."}]
+        second = client.responses.create(model="policy", instructions="Answer briefly.", input=history, tools=tools)
+        with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+            client.responses.create(model="policy", input="and?", previous_response_id=first.id)
+        calls = gateway.finish_episode(token)
+    assert second.usage.output_tokens == len(engine.ids)
+    assert "Answer briefly." in tokenizer.decode(calls.calls[0].prompt_ids)
+    rows = steps_from_calls(EpisodeIdentity("ep", "g", "p", 0, 0), calls, EpisodeEnd("Ana", None, {}), tokenizer)
+    assert [r.history for r in rows] == ["start", "appended"]  # the tool result appended to what it was sent
+    assert "Harbor was directed by Ana." in rows[0].observation_text
+
+
+def test_anthropics_messages_api_through_its_client_serves_the_same_recording(tokenizer):
+    engine = ScriptedEngine(tokenizer, "Let me look. " + CALL)
+    tools = [{"name": "search", "description": "search the corpus", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    with Gateway(engine, tokenizer, _sampling(tokenizer), LIMITS) as gateway:
+        token = gateway.open_episode("ep")
+        client = anthropic.Anthropic(base_url=gateway.root_url, api_key=token, max_retries=0, timeout=30)
+        question = {"role": "user", "content": "Who directed Harbor?"}
+        first = client.messages.create(model="policy", max_tokens=10, system="Answer briefly.", messages=[question],
+                                       tools=tools)
+        assert first.stop_reason == "tool_use" and first.content[0].text == "Let me look."
+        use = first.content[1]
+        assert (use.name, use.input) == ("search", {"query": "Harbor"})
+        turn = [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                              "content": "Harbor was directed by Ana."}]}]
+        client.messages.create(model="policy", max_tokens=10, system="Answer briefly.", messages=[question, *turn],
+                               tools=tools, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+        with pytest.raises(anthropic.BadRequestError, match="top_k"):
+            client.messages.create(model="policy", max_tokens=10, messages=[question], extra_body={"top_k": 5})
+        with pytest.raises(anthropic.AuthenticationError, match="unknown or finished episode token"):
+            anthropic.Anthropic(base_url=gateway.root_url, api_key="agr1-not-a-token", max_retries=0,
+                                timeout=30).messages.create(model="policy", max_tokens=5, messages=[question])
+        calls = gateway.finish_episode(token)
+    rows = steps_from_calls(EpisodeIdentity("ep", "g", "p", 0, 0), calls, EpisodeEnd("Ana", None, {}), tokenizer)
+    assert [r.history for r in rows] == ["start", "appended"] and len(calls.calls) == 2
+    assert "Answer briefly." in tokenizer.decode(calls.calls[0].prompt_ids)
