@@ -17,7 +17,9 @@ the column (COLUMN_DEFAULTS). `history` says how the step's prompt relates to th
 "start" on step 0, "appended" when it starts with the previous prompt + response (such an episode
 packs into one training sequence), "rewritten" when the context was rebuilt (context management, or
 an agent behind the gateway that changed its history; the trainer's `auto` layout trains those as
-step rows); null in tables written before the column. A step with no action (empty response_ids,
+step rows); null in tables written before the column. `agent` names which of a program's agents made
+the call (behind the gateway, when the program names them); each named agent's calls are their own
+episode (`<episode>@<agent>`, group `<group>@<agent>`), null otherwise. A step with no action (empty response_ids,
 finish_reason "none") records an episode that failed before the policy acted (an agent program that
 crashed before its first call): only on a done step with termination "error", never trained on. `response_logprobs` must be finite and <= 1e-4: log-probs are <= 0, the slack absorbs float32
 rounding of values near zero. Row id in errors: `<episode_id>/<step_idx>`.
@@ -137,6 +139,7 @@ class StepsModel(ArrowModel):
     generated_at: FLOAT64 = Field()
     anchor: STRING = Field(nullable=True)
     history: STRING = Field(nullable=True)
+    agent: STRING = Field(nullable=True)
 
     _iteration_not_negative = row_check("iteration", ">= 0", at_least("iteration", 0))
     _sample_idx_not_negative = row_check("sample_idx", ">= 0", at_least("sample_idx", 0))
@@ -179,4 +182,4 @@ class StepsModel(ArrowModel):
 
 ARROW_SCHEMA = arrow_schema_of(StepsModel)
 ROW_ID_COLUMNS = ("episode_id", "step_idx")
-COLUMN_DEFAULTS = {"anchor": None, "history": None}
+COLUMN_DEFAULTS = {"anchor": None, "history": None, "agent": None}

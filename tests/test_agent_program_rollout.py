@@ -189,6 +189,39 @@ def test_a_command_that_cannot_start_here_fails_before_the_run_naming_where_it_w
     assert "'no-such-interpreter-here' is not on PATH" in capsys.readouterr().err
 
 
+# Two agents in one program: a planner asks, a solver asks, the planner goes on with its own conversation.
+TWO_AGENTS = textwrap.dedent("""
+    import json, os, sys, urllib.request
+    prompt = json.load(sys.stdin)
+    def ask(agent, messages):
+        request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+            data=json.dumps({"model": "policy", "messages": messages}).encode(),
+            headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json",
+                     "X-AgentR1-Agent": agent})
+        return json.load(urllib.request.urlopen(request))["choices"][0]["message"]
+    plan = [{"role": "system", "content": "You plan."}, *prompt["messages"]]
+    plan.append(ask("planner", plan))
+    ask("solver", [{"role": "user", "content": "Solve: " + plan[-1]["content"]}])
+    plan.append({"role": "user", "content": "The solver answered. Go on."})
+    ask("planner", plan)
+    print(json.dumps({"answer": "Ana Kowalski"}))
+""")
+
+
+def test_each_named_agent_of_a_program_is_its_own_episode_whose_conversation_packs(engine, tokenizer, tmp_path):
+    records = _roll(engine, tokenizer, _cfg([sys.executable, "-c", TWO_AGENTS], max_context_tokens=2048),
+                    prompts=_prompts(1))
+    steps = _table(records, tmp_path)  # valid: each agent's episode is whole
+    rows = [r for r in steps.to_pylist() if r["sample_idx"] == 0]
+    assert [(r["episode_id"], r["agent"], r["step_idx"], r["history"]) for r in rows] == [
+        ("r-i0-q0-s0@planner", "planner", 0, "start"), ("r-i0-q0-s0@planner", "planner", 1, "appended"),
+        ("r-i0-q0-s0@solver", "solver", 0, "start")]
+    assert {r["group_id"] for r in rows} == {"r-i0-q0@planner", "r-i0-q0@solver"}
+    ends = [r for r in rows if r["done"]]
+    assert [(r["agent"], r["termination"]) for r in ends] == [("planner", "answered"), ("solver", "answered")]
+    assert rows[0]["prefix_shared"] and "The solver answered" in rows[0]["observation_text"]
+
+
 def test_the_config_accepts_agent_program_and_checks_its_kwargs():
     base = REPO_ROOT / "configs" / "tiny.yaml"
     ok = load_config(base, ["rollout.env=agent_program", 'rollout.env_kwargs={"command": ["python", "agent.py"]}'])

@@ -158,3 +158,19 @@ def test_anthropics_messages_api_through_its_client_serves_the_same_recording(to
     rows = steps_from_calls(EpisodeIdentity("ep", "g", "p", 0, 0), calls, EpisodeEnd("Ana", None, {}), tokenizer)
     assert [r.history for r in rows] == ["start", "appended"] and len(calls.calls) == 2
     assert "Answer briefly." in tokenizer.decode(calls.calls[0].prompt_ids)
+
+
+def test_a_call_names_its_agent_by_header_or_user_field_and_a_bad_name_is_refused(tokenizer):
+    with Gateway(ScriptedEngine(tokenizer, "Ana"), tokenizer, _sampling(tokenizer), LIMITS) as gateway:
+        token = gateway.open_episode("ep")
+        client = _client(gateway, token)
+        client.chat.completions.create(model="policy", messages=QUESTION, user="solver")
+        client.chat.completions.create(model="policy", messages=QUESTION, extra_headers={"X-AgentR1-Agent": "planner"})
+        client.chat.completions.create(model="policy", messages=QUESTION)
+        with pytest.raises(openai.BadRequestError, match="agent name 'two words'"):
+            client.chat.completions.create(model="policy", messages=QUESTION, user="two words")
+        calls = gateway.finish_episode(token)
+    assert [c.agent for c in calls.calls] == ["solver", "planner", None]
+    rows = steps_from_calls(EpisodeIdentity("ep", "g", "p", 0, 0), calls, EpisodeEnd("Ana", None, {}), tokenizer)
+    assert sorted((r.episode_id, r.group_id) for r in rows) == [("ep", "g"), ("ep@planner", "g@planner"),
+                                                                 ("ep@solver", "g@solver")]

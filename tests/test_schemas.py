@@ -30,7 +30,7 @@ EXPECTED_SCHEMAS = {
               ("observation_text", S, False), ("env_reward", F64, False), ("done", B, False),
               ("termination", S, True), ("truncated", B, False), ("finish_reason", S, False), ("prefix_shared", B, False), ("info", S, False),
               ("served_by", S, True), ("retries", I32, False), ("generated_at", F64, False), ("anchor", S, True),
-              ("history", S, True)],
+              ("history", S, True), ("agent", S, True)],
     "rewards": [("run_id", S, False), ("iteration", I32, False), ("episode_id", S, False), ("group_id", S, False),
                 ("prompt_id", S, False), ("sample_idx", I32, False), ("step_idx", I32, False),
                 ("process_reward", F64, False), ("outcome_reward", F64, False), ("process_factor", F64, False),

@@ -64,6 +64,7 @@ class GatewayCall:
     generate_seconds: float = 0.0
     requested: str = "{}"  # JSON: sampling fields the request asked for that the run's settings overrode
     batch_size: int = 1  # sequences in the engine call that generated it (module docstring)
+    agent: str | None = None  # which of the program's agents asked (ChatRequest.agent)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ class _Episode:
     reserved: int = 0  # requests that hold a call slot and are not recorded yet (module docstring)
     seeds_drawn: int = 0
     active: bool = False  # it has made a request: the engine queue may wait for its next one
-    last: tuple | None = None  # (messages, tools, prompt ids, reply content, reply tool_calls) of the last call
+    # per agent name: (messages, tools, call, reply content, reply tool_calls) of its last call
+    last: dict[str | None, tuple] = field(default_factory=dict)
 
 
 class GatewayCore:
@@ -182,7 +184,7 @@ class GatewayCore:
             parse_error="; ".join(errors) or None, seed=params.seed, appended=appended,
             policy_version=generation.policy_version, served_by=generation.served_by, retries=generation.retries,
             generated_at=time.time(), generate_seconds=round(served.seconds, 6), requested=json_text(requested),
-            batch_size=served.batch_size,
+            batch_size=served.batch_size, agent=request.agent,
         )
         tokens = tuple(self.tokenizer.decode([i]) for i in ids) if request.logprobs else ()
         return call, Completion(content, tuple(tool_calls), finish, len(prompt_ids), len(ids), tokens,
@@ -231,12 +233,12 @@ class GatewayCore:
             if self._episodes.get(token) is not episode:  # finished while generating: not part of it
                 raise GatewayError(401, "the episode finished while this request was served", "invalid_api_key")
             episode.calls.append(replace(call, call_idx=len(episode.calls)))
-            episode.last = (request.messages, request.tools, call, content, tool_calls)
+            episode.last[request.agent] = (request.messages, request.tools, call, content, tool_calls)
 
     def _prompt_ids(self, episode: _Episode, request: ChatRequest) -> tuple[list[int], bool]:
         """(prompt ids, whether they extend the last call's prompt + response): module docstring."""
         with self._lock:
-            last = episode.last
+            last = episode.last.get(request.agent)  # each agent's conversation appends to its own
         if last is not None:
             messages, tools, call, content, tool_calls = last
             n = len(messages)

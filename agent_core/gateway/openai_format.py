@@ -10,6 +10,7 @@ Design notes: docs/architecture.md §11 (agent_core/gateway/openai_format.py).
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from agent_core.types import ChatMessage
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 _HERMES = HermesFormat()
+_AGENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class RequestError(ValueError):
@@ -57,6 +59,7 @@ class ChatRequest:
     parallel_tool_calls: bool = True  # False: the reply ends after its first tool call
     logprobs: bool = False  # return each generated token's log-prob (the sampling distribution's)
     seed: int | None = None  # recorded; the run's seeding decides (core.GatewayCore._params)
+    agent: str | None = None  # which of the program's agents asks (header X-AgentR1-Agent, `user`, metadata.agent)
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,22 @@ def parse_request(body: Any) -> ChatRequest:
         include_usage=_flag(body.get("stream_options") or {}, "include_usage", False),
         parallel_tool_calls=_flag(body, "parallel_tool_calls", True), logprobs=_flag(body, "logprobs", False),
         seed=_seed(body.get("seed")),
+        agent=agent_name(body.get("user") or _metadata(body).get("agent")),
     )
+
+
+def _metadata(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    metadata = body.get("metadata")
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def agent_name(name: Any) -> str | None:
+    """A program's name for one of its agents (a planner, a solver), checked; None when it gives none."""
+    if name is None or name == "":
+        return None
+    if not isinstance(name, str) or not _AGENT_NAME.fullmatch(name):
+        raise RequestError(f"agent name {str(name)[:80]!r}: 1-64 letters, digits, '_', '.' or '-'")
+    return name
 
 
 def _check_served(body: Mapping[str, Any]) -> None:

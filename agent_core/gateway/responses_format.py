@@ -42,6 +42,9 @@ def chat_request(body: Any) -> ChatRequest:
     chat = {"model": body.get("model", ""), "messages": messages, "tools": [_tool(t) for t in body.get("tools") or []],
             "tool_choice": _tool_choice(body.get("tool_choice", "auto")), "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "max_tokens": body.get("max_output_tokens")}
+    for key in ("user", "metadata"):  # an agent's name (openai_format.agent_name)
+        if body.get(key) is not None:
+            chat[key] = body[key]
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     return parse_request({k: v for k, v in chat.items() if v is not None})

@@ -8,7 +8,8 @@
 Endpoints: `POST /v1/chat/completions` (also streamed, as server-sent events), `POST /v1/responses`
 (OpenAI's Responses API), `POST /v1/messages` (Anthropic's Messages API) and `GET /v1/models`, all
 over one recording per episode. Every request needs its episode's token, as `Authorization: Bearer
-<token>` or `x-api-key: <token>` (what the Anthropic client sends), else 401;
+<token>` or `x-api-key: <token>` (what the Anthropic client sends), else 401; `X-AgentR1-Agent: <name>`
+(or the body's `user`) names which of the program's agents calls;
 a body over `max_body_bytes` is refused with 413 before it is parsed, whether or not it declares its
 length. No endpoint returns recorded calls: what an episode did leaves the gateway only through
 `finish_episode`, in this process. The socket is bound to 127.0.0.1 only (never 0.0.0.0), on a free
@@ -23,6 +24,7 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import uvicorn
@@ -34,13 +36,14 @@ from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.gateway import messages_format, responses_format
 from agent_core.gateway.core import EpisodeCalls, GatewayCore, GatewayError, GatewayLimits
 from agent_core.gateway.openai_format import (
-    ChatRequest, Completion, RequestError, completion_body, completion_chunks, error_body, parse_request,
+    ChatRequest, Completion, RequestError, agent_name, completion_body, completion_chunks, error_body, parse_request,
 )
 from agent_core.rollout.engine import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+AGENT_HEADER = "x-agentr1-agent"  # which of the program's agents makes a call (schemas/steps.py `agent`)
 DEFAULT_MAX_BODY_BYTES = 4_000_000
 _START_TIMEOUT_S = 30.0
 
@@ -71,6 +74,8 @@ def build_app(core: GatewayCore, max_body_bytes: int) -> FastAPI:
             return refuse(413, f"request body over the gateway's limit of {max_body_bytes} bytes", "request_too_large")
         try:
             chat_request = to_chat(json.loads(raw))
+            if (named := request.headers.get(AGENT_HEADER)) is not None:
+                chat_request = replace(chat_request, agent=agent_name(named))
         except (ValueError, RecursionError) as error:  # RequestError is a ValueError; so is bad JSON
             message = str(error) if isinstance(error, RequestError) else f"the body is not valid JSON: {error}"
             return refuse(400, message.splitlines()[0] if message else "bad request", "invalid_request")

@@ -11,7 +11,7 @@ Design notes: docs/architecture.md §11 (agent_core/gateway/steps.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agent_core.gateway.core import EpisodeCalls, GatewayCall
@@ -53,7 +53,22 @@ def termination_of(calls: EpisodeCalls, end: EpisodeEnd) -> tuple[str, dict[str,
 def steps_from_calls(identity: EpisodeIdentity, calls: EpisodeCalls, end: EpisodeEnd,
                      tokenizer=None) -> list[StepRecord]:
     """The episode's steps (module docstring); [] when it made no call. `tokenizer`: to decode each
-    observation into observation_text (else left empty)."""
+    observation into observation_text (else left empty). Calls a program made as named agents are
+    each agent's own episode (`<episode>@<agent>` in the group `<group>@<agent>`, so an agent is
+    compared with the same agent of the other samples), ending as the program's run ended."""
+    by_agent: dict[str | None, list[GatewayCall]] = {}
+    for call in calls.calls:
+        by_agent.setdefault(call.agent, []).append(call)
+    records: list[StepRecord] = []
+    for agent, own in by_agent.items():
+        named = identity if agent is None else replace(identity, episode_id=f"{identity.episode_id}@{agent}",
+                                                       group_id=f"{identity.group_id}@{agent}")
+        records += _agent_steps(named, replace(calls, calls=tuple(own)), end, tokenizer)
+    return records
+
+
+def _agent_steps(identity: EpisodeIdentity, calls: EpisodeCalls, end: EpisodeEnd, tokenizer) -> list[StepRecord]:
+    """One agent's calls as the steps of one episode."""
     records: list[StepRecord] = []
     last_idx = len(calls.calls) - 1
     # each step's history once: step k shares its prefix with step k+1 exactly when k+1 appended
@@ -81,7 +96,7 @@ def steps_from_calls(identity: EpisodeIdentity, calls: EpisodeCalls, end: Episod
             finish_reason=call.finish_reason, prefix_shared=shared, info=json_text(info),
             served_by=call.served_by, retries=call.retries, generated_at=call.generated_at,
             anchor=opening_anchor(call.prompt_ids) if k == 0 else None,
-            history=histories[k],
+            history=histories[k], agent=call.agent,
         ))
     return records
 

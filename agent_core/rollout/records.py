@@ -68,6 +68,7 @@ class StepRecord:
     generated_at: float = field(default_factory=time.time)
     anchor: str | None = None
     history: str | None = None
+    agent: str | None = None  # which of a program's agents made the call (gateway), None otherwise
 
 
 @dataclass(frozen=True)
