@@ -139,7 +139,8 @@ def test_hermes_tool_calls_come_back_in_openais_shape_and_the_tool_result_append
         calls = gateway.finish_episode(token).calls
     # the template has no tools= support: the tool list is in the system message the policy saw
     assert "search the corpus" in tokenizer.decode(calls[0].prompt_ids)
-    assert json.loads(calls[0].tool_calls) == [{"name": "search", "arguments": {"query": "Harbor"}}]
+    # the tool result the agent sent back answers the call: it succeeded (audit: tool_error_rate)
+    assert json.loads(calls[0].tool_calls) == [{"name": "search", "arguments": {"query": "Harbor"}, "ok": True}]
     assert calls[1].appended and calls[1].prompt_ids[:len(calls[0].prompt_ids) + len(engine.ids)] == \
         calls[0].prompt_ids + engine.ids
     assert "<tool_response>" in tokenizer.decode(calls[1].prompt_ids[len(calls[0].prompt_ids) + len(engine.ids):])

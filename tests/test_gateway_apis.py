@@ -174,3 +174,28 @@ def test_a_call_names_its_agent_by_header_or_user_field_and_a_bad_name_is_refuse
     rows = steps_from_calls(EpisodeIdentity("ep", "g", "p", 0, 0), calls, EpisodeEnd("Ana", None, {}), tokenizer)
     assert sorted((r.episode_id, r.group_id) for r in rows) == [("ep", "g"), ("ep@planner", "g@planner"),
                                                                  ("ep@solver", "g@solver")]
+
+
+def test_a_tool_message_reporting_an_error_marks_the_call_failed_for_the_audit(tokenizer):
+    engine = ScriptedEngine(tokenizer, CALL + "\n" + CALL.replace("Harbor", "Ana"))
+    with Gateway(engine, tokenizer, _sampling(tokenizer), LIMITS) as gateway:
+        token = gateway.open_episode("ep")
+        client = _client(gateway, token)
+        reply = client.chat.completions.create(model="policy", messages=QUESTION, tools=TOOLS)
+        first, second = reply.choices[0].message.tool_calls
+        messages = [*QUESTION, reply.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": first.id, "content": "Harbor was directed by Ana."},
+                    {"role": "tool", "tool_call_id": second.id, "content": '{"error": "no page named Ana"}'}]
+        client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        claude = anthropic.Anthropic(base_url=gateway.root_url, api_key=token, max_retries=0, timeout=30)
+        tools = [{"name": "search", "input_schema": TOOLS[0]["function"]["parameters"]}]
+        question = {"role": "user", "content": "Who directed Harbor?"}
+        use = claude.messages.create(model="policy", max_tokens=60, messages=[question], tools=tools).content[0]
+        claude.messages.create(model="policy", max_tokens=60, tools=tools, messages=[
+            question, {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "timeout",
+                                          "is_error": True}]}])
+        calls = gateway.finish_episode(token).calls
+    assert [c.get("ok") for c in json.loads(calls[0].tool_calls)] == [True, False]
+    assert [c.get("ok") for c in json.loads(calls[2].tool_calls)] == [False, None]  # only the first was answered
+    assert all("ok" not in c for c in json.loads(calls[3].tool_calls))  # no result sent back: not judged

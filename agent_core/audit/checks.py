@@ -59,8 +59,10 @@ BUILTIN_CHECKS: tuple[Check, ...] = (
           max=0.6),
     Check("tool_error_rate",
           """WITH calls AS (SELECT iteration, unnest(CAST(json_extract(tool_calls, '$[*].ok') AS BOOLEAN[])) AS ok FROM steps)
-          SELECT iteration, avg(CASE WHEN ok THEN 0.0 ELSE 1.0 END) AS value FROM calls GROUP BY iteration""",
-          "share of tool calls that failed (unknown tool, bad arguments, a tool error or timeout, over budget)",
+          SELECT iteration, avg(CASE WHEN ok THEN 0.0 ELSE 1.0 END) AS value FROM calls WHERE ok IS NOT NULL
+          GROUP BY iteration""",
+          "share of tool calls that failed (unknown tool, bad arguments, a tool error or timeout, over budget; "
+          "behind the gateway, from the tool messages the agent sends back)",
           max=0.5),
     Check("tool_calls_per_episode",
           """SELECT iteration, sum(json_array_length(tool_calls))::DOUBLE / count(DISTINCT episode_id) AS value

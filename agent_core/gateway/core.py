@@ -9,6 +9,7 @@ Design notes: docs/architecture.md §11 (agent_core/gateway/core.py).
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 import time
@@ -20,7 +21,7 @@ from agent_core.gateway.batching import DEFAULT_WINDOW_S, EngineQueue
 from agent_core.envs.formats.hermes import TOOL_CALL_CLOSE
 from agent_core.gateway.openai_format import (
     ChatRequest, Completion, chat_messages, conversation, forced_prefix, one_call_only, parse_tool_calls,
-    same_assistant_turn, template_tools,
+    same_assistant_turn, template_tools, tool_outcomes,
 )
 from agent_core.rollout.chat import encode_conversation, encode_observation_messages, eos_token_ids
 from agent_core.rollout.engine import Engine, SamplingParams
@@ -232,8 +233,24 @@ class GatewayCore:
             episode.reserved -= 1  # the slot becomes the recorded call, or is gone with the episode
             if self._episodes.get(token) is not episode:  # finished while generating: not part of it
                 raise GatewayError(401, "the episode finished while this request was served", "invalid_api_key")
+            self._mark_tool_outcomes(episode, request)
             episode.calls.append(replace(call, call_idx=len(episode.calls)))
-            episode.last[request.agent] = (request.messages, request.tools, call, content, tool_calls)
+            episode.last[request.agent] = (request.messages, request.tools, episode.calls[-1], content, tool_calls)
+
+    @staticmethod
+    def _mark_tool_outcomes(episode: _Episode, request: ChatRequest) -> None:
+        """Each tool call of the agent's previous reply that this request answers gets `ok` (the tool
+        messages the agent sends back: `tool_outcomes`), as the built-in envs record their calls'."""
+        previous = episode.last.get(request.agent)
+        if previous is None or not previous[4]:
+            return
+        outcomes = tool_outcomes(request.messages, previous[4])
+        if all(ok is None for ok in outcomes):
+            return
+        recorded = episode.calls[previous[2].call_idx]
+        entries = [{**entry, **({} if ok is None else {"ok": ok})}
+                   for entry, ok in zip(json.loads(recorded.tool_calls), outcomes)]
+        episode.calls[recorded.call_idx] = replace(recorded, tool_calls=json_text(entries))
 
     def _prompt_ids(self, episode: _Episode, request: ChatRequest) -> tuple[list[int], bool]:
         """(prompt ids, whether they extend the last call's prompt + response): module docstring."""

@@ -73,7 +73,8 @@ def _converted(message: Any, index: int) -> list[dict]:
                 "name": block["name"], "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
         elif kind == "tool_result" and message["role"] == "user":
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
-                            "content": _result_text(block.get("content"), index)})
+                            "content": _result_text(block.get("content"), index),
+                            **({"is_error": True} if block.get("is_error") else {})})
         else:
             raise RequestError(f"messages[{index}]: a {kind!r} block is not supported in a {message['role']} turn "
                                "(text, tool_use from the assistant, tool_result from the user)")

@@ -313,6 +313,30 @@ def same_assistant_turn(message: Mapping[str, Any], content: str, tool_calls: Se
     return sent == [(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls]
 
 
+def tool_outcomes(messages: Sequence[Mapping[str, Any]], reply_calls: Sequence[Mapping[str, Any]]) -> list[bool | None]:
+    """Per tool call of a reply, whether the tool message answering it (by tool_call_id) reports
+    success: False when it is flagged `is_error` (Anthropic's tool_result), is a JSON object with an
+    `error`, or starts with "error"; None when no message answers it."""
+    answers = {m.get("tool_call_id"): m for m in messages if m.get("role") == "tool"}
+    outcomes: list[bool | None] = []
+    for call in reply_calls:
+        answer = answers.get(call.get("id"))
+        outcomes.append(None if answer is None else not (answer.get("is_error") or _reads_as_error(
+            _text(answer.get("content")))))
+    return outcomes
+
+
+def _reads_as_error(text: str) -> bool:
+    text = text.strip()
+    if text.lower().startswith("error"):
+        return True
+    try:
+        decoded = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(decoded, dict) and decoded.get("error") not in (None, "", False)
+
+
 def parse_tool_calls(text: str, request: ChatRequest) -> tuple[str, list[dict], ParsedAction | None]:
     """(content, OpenAI tool_calls, the parse) of generated `text`: hermes calls when the request
     offered tools, the whole text as content otherwise. Content is the text before the first call."""
