@@ -53,7 +53,7 @@ def rollout(run: RunLayout, iteration: int, prompts_uri: str, corpus_uri: str, p
           stage_progress("rollout", f"rollout iteration {iteration}", "episodes")):
         records = roll_out(engine, tokenizer, prompts, documents, cfg, seed=seed * 100_003 + iteration,
                            policy_version=version, episode_prefix=f"{run.run_id}-i{iteration}-",
-                           access=DataAccess(corpus_uri, str(run.data_root)))
+                           access=DataAccess(corpus_uri, str(run.data_root)), preflight=iteration == 0)
     rows = rows_of(records, run_id=run.run_id, iteration=iteration)  # shallow: asdict deep-copies every token list
     uri = write_table("steps", rows, run.table_uri(iteration, "steps"))
     failures = episode_failures(records)

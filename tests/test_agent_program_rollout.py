@@ -22,6 +22,7 @@ from agent_core.rewards.labelling import StepOutcome, label_steps
 from agent_core.rollout.chat import eos_token_ids
 from agent_core.rollout.engine import SamplingParams
 from agent_core.rollout.hf_engine import HFEngine
+from agent_core.gateway.program_rollout import PreflightError
 from agent_core.rollout.records import episode_failures
 from agent_core.training.model import build_tiny_policy, build_tokenizer
 from agent_core.types import ChatMessage, Document, Prompt
@@ -153,6 +154,17 @@ def test_a_first_request_over_the_context_fails_naming_the_numbers(engine, token
     assert failures.all_failed, failures
     assert "refused the first request: the prompt is" in failures.commonest
     assert "exceeds the context of 16 tokens (rollout.max_context_tokens)" in failures.commonest
+    # a run's first rollout runs one episode alone first, and stops there (no other program starts)
+    with pytest.raises(PreflightError, match=r"preflight: the first episode \(r-i0-q0-s0\) failed before any call: "
+                                             r".*the prompt is \d+ tokens.*context of 16 tokens"):
+        roll_out(engine, tokenizer, _prompts(), DOCUMENTS, cfg, seed=5, episode_prefix="r-i0-", preflight=True)
+
+
+def test_the_preflight_episode_is_one_of_the_rollouts_episodes_when_it_works(engine, tokenizer):
+    cfg = _cfg([sys.executable, "-c", ONE_CALL, "answer"])
+    records = roll_out(engine, tokenizer, _prompts(), DOCUMENTS, cfg, seed=5, episode_prefix="r-i0-", preflight=True)
+    assert [r.episode_id for r in records] == [f"r-i0-q{p}-s{k}" for p in range(2) for k in range(2)]
+    assert all(r.termination == "answered" for r in records)
 
 
 def test_an_answer_printed_after_a_budget_refusal_is_scored(engine, tokenizer):
@@ -242,12 +254,14 @@ def test_one_rl_iteration_of_the_pipeline_trains_on_the_example_agents_episodes(
     command = json.dumps(["python", str(AGENT), "--max-tokens", "12"])
     settings = [f"data_root={tmp_path}", "iterations=1", "dev_eval.every=0", "rollout.env=agent_program",
                 f'rollout.env_kwargs={{"command": {command}, "timeout_s": 120}}']
-    # first with a context the agent's first request does not fit: every episode fails, and the run says so
-    small = load_config(REPO_ROOT / "configs" / "tiny.yaml", [*settings, "run_id=small", "rollout.max_context_tokens=64"])
-    with pytest.raises(RolloutFailedError, match=r"6 of 6 episodes failed; 6 of them like: .*refused the first "
-                                                 r"request: the prompt is \d+ tokens.*context of 64 tokens"):
-        train(small)
-    failed = run_status(DataRoot(tmp_path).run("small"))
+    # first an agent that crashes after its call: past the preflight, every episode fails, and the run says so
+    crash = json.dumps([sys.executable, "-c", ONE_CALL, "crash"])
+    failing = load_config(REPO_ROOT / "configs" / "tiny.yaml", [
+        *settings[:-1], f'rollout.env_kwargs={{"command": {crash}, "timeout_s": 60}}', "run_id=crash"])
+    with pytest.raises(RolloutFailedError, match=r"6 of 6 episodes failed; 6 of them like: exit code 1: the agent "
+                                                 r"fell over; every episode is in .*steps.parquet"):
+        train(failing)
+    failed = run_status(DataRoot(tmp_path).run("crash"))
     assert failed.status == "failed" and "6 of 6 episodes failed" in failed.detail
     assert MlflowClient(DataRoot(tmp_path).mlflow_tracking_uri).search_model_versions("name='agentr1-policy'") == []
 

@@ -42,6 +42,7 @@ class RolloutRequest:
     group_size: int | None = None
     timings: RolloutTimings = field(default_factory=RolloutTimings)
     access: DataAccess = DataAccess()
+    preflight: bool = False  # a run's first rollout: a driver that can fail fast does (the program driver)
 
     def env_of(self, prompt: Prompt) -> tuple[str, dict]:
         """The env (name, kwargs) `prompt` runs in under this rollout (rollout/spec.py `env_for`)."""
@@ -57,14 +58,15 @@ DRIVERS: Registry[RolloutDriver] = Registry("rollout driver")
 def roll_out(engine: Engine, tokenizer, prompts: Sequence[Prompt], documents: Sequence[Document],
              rollout: RolloutConfig, *, seed: int, policy_version: int = 0, episode_prefix: str = "",
              spec: RolloutSpec | None = None, group_size: int | None = None,
-             timings: RolloutTimings | None = None, access: DataAccess | None = None) -> list[StepRecord]:
+             timings: RolloutTimings | None = None, access: DataAccess | None = None,
+             preflight: bool = False) -> list[StepRecord]:
     """Episodes of `prompts` (group_size each, default the spec's) in `rollout`'s envs: each prompt
     goes to the driver its env names; the drivers run in name order, so their steps come driver by
     driver, in each driver's episode order. `spec` defaults to `RolloutSpec.from_config(rollout)`."""
     request = RolloutRequest(engine, tokenizer, documents, rollout,
                              RolloutSpec.from_config(rollout) if spec is None else spec, seed, policy_version,
                              episode_prefix, group_size, RolloutTimings() if timings is None else timings,
-                             DataAccess() if access is None else access)
+                             DataAccess() if access is None else access, preflight)
     by_driver: dict[str, list[Prompt]] = {}
     for prompt in prompts:
         by_driver.setdefault(env_driver(request.env_of(prompt)[0]), []).append(prompt)

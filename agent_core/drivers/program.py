@@ -26,7 +26,8 @@ def program_driver(request: RolloutRequest, prompts: list[Prompt]) -> list[StepR
         by_program.setdefault(ProgramSpec.from_env_kwargs(request.env_of(prompt)[1]), []).append(prompt)
     settings = ProgramRollout(group_size=request.group_size or spec.group_size, max_calls=spec.max_steps,
                               max_context_tokens=spec.max_context_tokens, policy_version=request.policy_version,
-                              episode_prefix=request.episode_prefix, corpus_path=access.corpus_path, jail=jail)
+                              episode_prefix=request.episode_prefix, corpus_path=access.corpus_path, jail=jail,
+                              preflight=request.preflight)
     steps: list[StepRecord] = []
     for program, group in by_program.items():
         steps += run_program_episodes(request.engine, tokenizer, group, program,

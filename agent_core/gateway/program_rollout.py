@@ -46,6 +46,12 @@ class ProgramRollout:
     corpus_path: str | None = None
     honor_request_sampling: bool = False
     jail: ProgramJail | None = None
+    preflight: bool = False  # run the first episode alone first; one that fails before any call stops here
+
+
+class PreflightError(RuntimeError):
+    """The preflight episode failed before its first call: every episode would (a command that does not
+    start, a first request over the context); said in one line, before the others run."""
 
 
 def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], spec: ProgramSpec,
@@ -80,7 +86,14 @@ def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], s
                            _environment(gateway, tokens[identity.episode_id], identity.episode_id,
                                         settings.corpus_path))
                 for identity in identities]
-        outcomes = run_programs(spec, jobs, on_done, settings.jail)
+        outcomes = []
+        if settings.preflight:
+            outcomes = run_programs(spec, jobs[:1], on_done, settings.jail)
+            if failed_early:
+                raise PreflightError(f"agent_program preflight: the first episode ({jobs[0].key}) failed before any "
+                                     f"call: {failed_early[0][1].failure}")
+            jobs = jobs[1:]
+        outcomes += run_programs(spec, jobs, on_done, settings.jail)
     _say_missing_layers(outcomes)
     failures = [o for o in outcomes if o.failure is not None]
     if failures:
