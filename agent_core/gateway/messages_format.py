@@ -13,7 +13,7 @@ import json
 import uuid
 from typing import Any, Mapping
 
-from agent_core.gateway.openai_format import ChatRequest, Completion, RequestError, parse_request
+from agent_core.gateway.openai_format import ChatRequest, Completion, RequestError, check_fields, parse_request
 
 _ACCEPTED = {"model", "max_tokens", "messages", "system", "tools", "tool_choice", "temperature", "top_p",
              "stop_sequences", "stream", "metadata", "service_tier", "top_k", "thinking"}
@@ -21,13 +21,9 @@ _ACCEPTED = {"model", "max_tokens", "messages", "system", "tools", "tool_choice"
 
 def chat_request(body: Any) -> ChatRequest:
     """The chat-completions request a Messages `body` means, or RequestError naming the bad field."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    unknown = sorted(set(body) - _ACCEPTED)
-    if unknown:
-        raise RequestError(f"{', '.join(unknown)}: not supported by this gateway's Messages API")
+    body = check_fields(body, _ACCEPTED, "'s Messages API")
     for key in ("stream", "top_k", "thinking"):
-        if body.get(key) not in (None, False) and not (key == "thinking" and body[key].get("type") == "disabled"):
+        if body.get(key) not in (None, False) and body[key] != {"type": "disabled"}:
             raise RequestError(f"{key} is not supported on /v1/messages by this gateway")
     if isinstance(body.get("max_tokens"), bool) or not isinstance(body.get("max_tokens"), int):
         raise RequestError("max_tokens is required: an int >= 1")

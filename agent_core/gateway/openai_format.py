@@ -125,11 +125,19 @@ def agent_name(name: Any) -> str | None:
     return name
 
 
+def check_fields(body: Any, accepted: set[str], api: str = "") -> dict[str, Any]:
+    """`body` if it is a JSON object of `accepted` fields only; else RequestError naming the others."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    unknown = sorted(key for key in body if key not in accepted)
+    if unknown:
+        raise RequestError(f"{', '.join(map(_printable, unknown))}: not supported by this gateway{api}")
+    return body
+
+
 def _check_served(body: Mapping[str, Any]) -> None:
     """RequestError naming the fields this gateway does not serve (module docstring)."""
-    unknown = sorted(key for key in body if key not in _ACCEPTED)
-    if unknown:
-        raise RequestError(f"{', '.join(map(_printable, unknown))}: not supported by this gateway")
+    check_fields(body, _ACCEPTED)
     for key, neutral in _NEUTRAL.items():
         if body.get(key) is not None and body[key] not in neutral:
             raise RequestError(f"{key}={json.dumps(body[key])[:80]} is not supported by this gateway")

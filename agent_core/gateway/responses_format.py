@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Mapping
 
-from agent_core.gateway.openai_format import ChatRequest, Completion, RequestError, parse_request
+from agent_core.gateway.openai_format import ChatRequest, Completion, RequestError, check_fields, parse_request
 
 # fields a Responses request may carry; any other is refused by name
 _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "tools", "tool_choice", "temperature", "top_p", "max_output_tokens",
@@ -24,18 +24,15 @@ _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "tools", 
 
 def chat_request(body: Any) -> ChatRequest:
     """The chat-completions request a Responses `body` means, or RequestError naming the bad field."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    unknown = sorted(set(body) - _ACCEPTED)
-    if unknown:
-        raise RequestError(f"{', '.join(unknown)}: not supported by this gateway's Responses API")
+    body = check_fields(body, _ACCEPTED, "'s Responses API")
     if body.get("previous_response_id"):
         raise RequestError("previous_response_id is not supported: send the whole conversation as input")
     if body.get("stream"):
         raise RequestError("stream=true is not supported on /v1/responses: send non-streaming requests")
     if body.get("reasoning"):
         raise RequestError("reasoning is not supported by this gateway")
-    text_format = ((body.get("text") or {}).get("format") or {}).get("type", "text")
+    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    text_format = text.get("format").get("type") if isinstance(text.get("format"), dict) else "text"
     if text_format != "text":
         raise RequestError(f"text.format {text_format!r} is not supported: plain text only")
     messages = _messages(body.get("input"), body.get("instructions"))
