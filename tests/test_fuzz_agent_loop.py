@@ -269,7 +269,8 @@ def test_random_model_outputs_never_escape_and_every_error_is_recorded(task, tmp
     clean_with_errors = ("label = 'clean' and (parse_error is not null or num_calls != calls_written "
                          "or len(list_filter(error_kinds, lambda x: x != 'over_budget')) > 0)")
     assert count(clean_with_errors) == 0, con.execute(
-        f"select response_text, parse_error, tool_calls from s where {clean_with_errors} limit 3").fetchall()
+        f"select response_text, parse_error, tool_calls, observation_text from s where {clean_with_errors} "
+        "limit 3").fetchall()  # the observation carries the tool's error message
     # whatever the output: no env crash, and a step that neither answered nor ran a call says why
     assert count("termination = 'error'") == 0
     assert count("termination is distinct from 'answered' and parse_error is null and num_calls = 0") == 0

@@ -572,3 +572,25 @@ def test_search_arguments_are_bounded(search_tool, arguments, message):
 def test_search_top_k_is_checked_when_the_tool_is_made(search_tool):
     with pytest.raises(ValueError, match=r"tool 'search': top_k must be in 1\.\.10, got 0"):
         make_tool("search", {"top_k": 0}, EnvResources(search_index=search_tool.index))
+
+
+def test_calculator_parses_again_after_the_interpreters_ast_race(monkeypatch):
+    """CPython 3.11's gh-106905: a thread building an AST elsewhere can make ast.parse raise
+    SystemError on valid input; the calculator parses again instead of failing a clean call."""
+    import ast
+
+    from agent_core.envs import builtin_tools
+
+    real, raised = ast.parse, []
+
+    def racing(*args, **kwargs):
+        if not raised:
+            raised.append(True)
+            raise SystemError("AST constructor recursion depth mismatch (before=2, after=1)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(builtin_tools.ast, "parse", racing)
+    assert builtin_tools.calculator("12 / 4") == "3" and raised == [True]
+    monkeypatch.setattr(builtin_tools.ast, "parse", lambda *a, **k: (_ for _ in ()).throw(SystemError("always")))
+    with pytest.raises(SystemError):  # a real, lasting fault is not hidden
+        builtin_tools.calculator("1 + 1")

@@ -123,6 +123,19 @@ _NODE_NAMES = {
 _PARSE_LOCK = threading.Lock()
 
 
+def _parse(expression: str, attempts: int = 3) -> ast.Expression:
+    """ast.parse under the lock; parsed again on the SystemError of gh-106905, which a thread outside
+    the lock (any library compiling code) can still cause on valid input."""
+    for attempt in range(attempts):
+        try:
+            with _PARSE_LOCK:
+                return ast.parse(expression, mode="eval")
+        except SystemError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def evaluate_expression(expression: str) -> int | float:
     """The value of arithmetic `expression`; ValueError saying what is wrong for anything else."""
     if not isinstance(expression, str):
@@ -130,8 +143,7 @@ def evaluate_expression(expression: str) -> int | float:
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression is {len(expression)} characters long; the limit is {MAX_EXPRESSION_CHARS}")
     try:
-        with _PARSE_LOCK:
-            tree = ast.parse(expression.strip(), mode="eval")
+        tree = _parse(expression.strip())
     except SyntaxError as exc:
         raise ValueError(f"not a valid arithmetic expression ({exc.msg}); {_GRAMMAR}") from None
     except (RecursionError, MemoryError):
