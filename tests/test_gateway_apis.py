@@ -199,3 +199,38 @@ def test_a_tool_message_reporting_an_error_marks_the_call_failed_for_the_audit(t
     assert [c.get("ok") for c in json.loads(calls[0].tool_calls)] == [True, False]
     assert [c.get("ok") for c in json.loads(calls[2].tool_calls)] == [False, None]  # only the first was answered
     assert all("ok" not in c for c in json.loads(calls[3].tool_calls))  # no result sent back: not judged
+
+
+def test_a_streamed_responses_request_gets_the_events_the_client_assembles(tokenizer):
+    engine = ScriptedEngine(tokenizer, "Let me look. " + CALL)
+    tools = [{"type": "function", "name": "search", "parameters": TOOLS[0]["function"]["parameters"]}]
+    with Gateway(engine, tokenizer, _sampling(tokenizer), LIMITS) as gateway:
+        token = gateway.open_episode("ep")
+        client = _client(gateway, token)
+        events = list(client.responses.create(model="policy", input="Who directed Harbor?", tools=tools, stream=True))
+        with client.responses.stream(model="policy", input="Who directed Harbor?", tools=tools) as stream:
+            final = stream.get_final_response()
+        calls = gateway.finish_episode(token).calls
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Let me look."
+    assert final.output_text == "Let me look."
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    assert json.loads(call.arguments) == {"query": "Harbor"} and len(calls) == 2
+
+
+def test_a_streamed_messages_request_gets_the_events_the_anthropic_client_assembles(tokenizer):
+    engine = ScriptedEngine(tokenizer, "Let me look. " + CALL)
+    tools = [{"name": "search", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    with Gateway(engine, tokenizer, _sampling(tokenizer), LIMITS) as gateway:
+        token = gateway.open_episode("ep")
+        client = anthropic.Anthropic(base_url=gateway.root_url, api_key=token, max_retries=0, timeout=30)
+        with client.messages.stream(model="policy", max_tokens=60, tools=tools,
+                                    messages=[{"role": "user", "content": "Who directed Harbor?"}]) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        calls = gateway.finish_episode(token).calls
+    assert text == "Let me look." and final.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "input", None)) for b in final.content] == [("text", None),
+                                                                           ("tool_use", {"query": "Harbor"})]
+    assert final.usage.output_tokens == len(engine.ids) and len(calls) == 1

@@ -3,8 +3,9 @@ the chat-completions request it means, the served completion becomes a `message`
 
 `system` becomes the system message; `tool_use` blocks become the assistant's tool calls and
 `tool_result` blocks the tool messages; `tool_choice` any / tool / none and `disable_parallel_tool_use`
-map to OpenAI's required / a named function / none and `parallel_tool_calls: false`. Images,
-documents, thinking, `top_k` and streaming are refused with a 400 naming them.
+map to OpenAI's required / a named function / none and `parallel_tool_calls: false`. A streamed
+request gets the message's events (generated whole first). Images, documents, thinking and `top_k`
+are refused with a 400 naming them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _ACCEPTED = {"model", "max_tokens", "messages", "system", "tools", "tool_choice"
 def chat_request(body: Any) -> ChatRequest:
     """The chat-completions request a Messages `body` means, or RequestError naming the bad field."""
     body = check_fields(body, _ACCEPTED, "'s Messages API")
-    for key in ("stream", "top_k", "thinking"):
+    for key in ("top_k", "thinking"):
         if body.get(key) not in (None, False) and body[key] != {"type": "disabled"}:
             raise RequestError(f"{key} is not supported on /v1/messages by this gateway")
     if isinstance(body.get("max_tokens"), bool) or not isinstance(body.get("max_tokens"), int):
@@ -36,7 +37,8 @@ def chat_request(body: Any) -> ChatRequest:
     chat = {"model": body.get("model", ""), "messages": messages, "tools": [_tool(t) for t in body.get("tools") or []],
             "tool_choice": choice, "parallel_tool_calls": parallel, "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "max_tokens": body["max_tokens"], "stop": body.get("stop_sequences"),
-            "user": (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"), dict) else None}
+            "user": (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"), dict) else None,
+            "stream": body.get("stream")}
     return parse_request({k: v for k, v in chat.items() if v is not None})
 
 
@@ -124,3 +126,22 @@ def message_body(completion: Completion, request: ChatRequest, model: str) -> di
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": completion.stop_sequence,
             "usage": {"input_tokens": completion.prompt_tokens, "output_tokens": completion.completion_tokens}}
+
+
+def message_events(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of a streamed `message` (as `message_body` made it), as the Anthropic client reads them."""
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": {
+        **message, "content": [], "stop_reason": None, "usage": {**message["usage"], "output_tokens": 0}}}]
+    for index, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+        else:
+            start = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
+        events += [{"type": "content_block_start", "index": index, "content_block": start},
+                   {"type": "content_block_delta", "index": index, "delta": delta},
+                   {"type": "content_block_stop", "index": index}]
+    return [*events, {"type": "message_delta", "delta": {"stop_reason": message["stop_reason"],
+                                                         "stop_sequence": message["stop_sequence"]},
+                      "usage": {"output_tokens": message["usage"]["output_tokens"]}},
+            {"type": "message_stop"}]

@@ -3,8 +3,9 @@ episode recording: a request becomes the chat-completions request it means, the 
 becomes a `response` object.
 
 Input items: messages (string or text parts), `function_call` and `function_call_output`; the
-`instructions` become the system message. Server-side state (`previous_response_id`, `store: true`
-conversations), hosted tools, reasoning items and streaming are refused with a 400 naming them.
+`instructions` become the system message. A streamed request gets the response's events (generated
+whole first, so they arrive together). Server-side state (`previous_response_id`), hosted tools and
+reasoning items are refused with a 400 naming them.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ def chat_request(body: Any) -> ChatRequest:
     body = check_fields(body, _ACCEPTED, "'s Responses API")
     if body.get("previous_response_id"):
         raise RequestError("previous_response_id is not supported: send the whole conversation as input")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported on /v1/responses: send non-streaming requests")
     if body.get("reasoning"):
         raise RequestError("reasoning is not supported by this gateway")
     text = body.get("text") if isinstance(body.get("text"), dict) else {}
@@ -39,6 +38,8 @@ def chat_request(body: Any) -> ChatRequest:
     chat = {"model": body.get("model", ""), "messages": messages, "tools": [_tool(t) for t in body.get("tools") or []],
             "tool_choice": _tool_choice(body.get("tool_choice", "auto")), "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "max_tokens": body.get("max_output_tokens")}
+    if body.get("stream") is not None:
+        chat["stream"] = body["stream"]
     for key in ("user", "metadata"):  # an agent's name (openai_format.agent_name)
         if body.get(key) is not None:
             chat[key] = body[key]
@@ -148,3 +149,30 @@ def _reply_tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict):
         return {"type": "function", "name": choice["function"]["name"]}
     return choice
+
+
+def response_events(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of a streamed `response` (as `response_body` made it), in the order the OpenAI client
+    assembles them: created, then per output item its added / delta / done events, then completed."""
+    events: list[dict[str, Any]] = [{"type": "response.created",
+                                     "response": {**response, "status": "in_progress", "output": []}}]
+    for index, item in enumerate(response["output"]):
+        at = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            part = {"type": "output_text", "text": "", "annotations": []}
+            events += [{"type": "response.output_item.added", "output_index": index,
+                        "item": {**item, "status": "in_progress", "content": []}},
+                       {"type": "response.content_part.added", **at, "content_index": 0, "part": part},
+                       {"type": "response.output_text.delta", **at, "content_index": 0, "delta": text, "logprobs": []},
+                       {"type": "response.output_text.done", **at, "content_index": 0, "text": text, "logprobs": []},
+                       {"type": "response.content_part.done", **at, "content_index": 0, "part": {**part, "text": text}}]
+        else:
+            events += [{"type": "response.output_item.added", "output_index": index,
+                        "item": {**item, "status": "in_progress", "arguments": ""}},
+                       {"type": "response.function_call_arguments.delta", **at, "delta": item["arguments"]},
+                       {"type": "response.function_call_arguments.done", **at, "arguments": item["arguments"]}]
+        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
+    events.append({"type": "response.completed" if response["status"] == "completed" else "response.incomplete",
+                   "response": response})
+    return [{**event, "sequence_number": number} for number, event in enumerate(events)]

@@ -5,9 +5,9 @@
         ...  # the agent calls f"{gateway.base_url}/chat/completions"
         calls = gateway.finish_episode(token)     # the episode's calls; its token is refused from now on
 
-Endpoints: `POST /v1/chat/completions` (also streamed, as server-sent events), `POST /v1/responses`
-(OpenAI's Responses API), `POST /v1/messages` (Anthropic's Messages API) and `GET /v1/models`, all
-over one recording per episode. Every request needs its episode's token, as `Authorization: Bearer
+Endpoints: `POST /v1/chat/completions`, `POST /v1/responses` (OpenAI's Responses API), `POST
+/v1/messages` (Anthropic's Messages API), each also streamed as server-sent events, and `GET
+/v1/models`, all over one recording per episode. Every request needs its episode's token, as `Authorization: Bearer
 <token>` or `x-api-key: <token>` (what the Anthropic client sends), else 401; `X-AgentR1-Agent: <name>`
 (or the body's `user`) names which of the program's agents calls;
 a body over `max_body_bytes` is refused with 413 before it is parsed, whether or not it declares its
@@ -105,15 +105,31 @@ def build_app(core: GatewayCore, max_body_bytes: int) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await serve(request, responses_format.chat_request, lambda completion, chat: JSONResponse(
-            responses_format.response_body(completion, chat, core.model_name)))
+        return await serve(request, responses_format.chat_request,
+                           _replier(responses_format.response_body, responses_format.response_events, core.model_name))
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await serve(request, messages_format.chat_request, lambda completion, chat: JSONResponse(
-            messages_format.message_body(completion, chat, core.model_name)), anthropic=True)
+        return await serve(request, messages_format.chat_request,
+                           _replier(messages_format.message_body, messages_format.message_events, core.model_name),
+                           anthropic=True)
 
     return app
+
+
+def _replier(body_of: Callable[[Completion, ChatRequest, str], dict], events_of: Callable[[dict], list[dict]],
+             model: str) -> Callable[[Completion, ChatRequest], Response]:
+    """An API's reply: its body, or the body's events when the request streams."""
+    def reply(completion: Completion, chat: ChatRequest) -> Response:
+        body = body_of(completion, chat, model)
+        return _events(events_of(body)) if chat.stream else JSONResponse(body)
+    return reply
+
+
+def _events(events: list[dict]) -> StreamingResponse:
+    """Server-sent events, each named by its type (the Responses and Messages APIs' streams)."""
+    return StreamingResponse(iter([f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events]),
+                             media_type="text/event-stream")
 
 
 def _refusal(anthropic: bool) -> Callable[[int, str, str], JSONResponse]:
