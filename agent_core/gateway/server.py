@@ -35,9 +35,8 @@ from starlette.concurrency import run_in_threadpool
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.gateway import messages_format, responses_format
 from agent_core.gateway.core import EpisodeCalls, GatewayCore, GatewayError, GatewayLimits
-from agent_core.gateway.openai_format import (
-    ChatRequest, Completion, RequestError, agent_name, completion_body, completion_chunks, error_body, parse_request,
-)
+from agent_core.gateway.chat_replies import completion_body, completion_chunks
+from agent_core.gateway.openai_format import ChatRequest, Completion, RequestError, agent_name, error_body, parse_request
 from agent_core.rollout.engine import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
