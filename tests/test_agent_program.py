@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from agent_core.envs.agent_program import ProgramJob, ProgramSpec, parse_answer, run_program, run_programs
+from agent_core.envs.agent_program import (
+    ProgramJob, ProgramSpec, parse_agent_rewards, parse_answer, run_program, run_programs,
+)
 
 
 def _script(tmp_path: Path, name: str, body: str) -> str:
@@ -244,3 +246,13 @@ def test_good_env_kwargs_make_a_spec():
     # YAML reads `[agent.py, --max-turns, 4]` with an int in it: numbers are argv as written
     assert ProgramSpec.from_env_kwargs({"command": ["a.py", "--max-turns", 4, 0.5]}).command == (
         "a.py", "--max-turns", "4", "0.5")
+
+
+def test_agent_rewards_are_read_from_the_answer_line_and_checked():
+    assert parse_agent_rewards('{"answer": "x", "agent_rewards": {"solver": 1, "planner": -0.25}}') == (
+        {"solver": 1.0, "planner": -0.25}, None)
+    assert parse_agent_rewards('{"answer": "x"}') == ({}, None)
+    for bad in ('{"answer": "x", "agent_rewards": {"solver": "high"}}', '{"answer": "x", "agent_rewards": [1]}',
+                '{"answer": "x", "agent_rewards": {"solver": true}}'):
+        rewards, problem = parse_agent_rewards(bad)
+        assert rewards == {} and problem.startswith("agent_rewards must map agent names to finite numbers"), bad

@@ -216,7 +216,7 @@ TWO_AGENTS = textwrap.dedent("""
     ask("solver", [{"role": "user", "content": "Solve: " + plan[-1]["content"]}])
     plan.append({"role": "user", "content": "The solver answered. Go on."})
     ask("planner", plan)
-    print(json.dumps({"answer": "Ana Kowalski"}))
+    print(json.dumps({"answer": "Ana Kowalski", "agent_rewards": {"solver": 0.5}}))
 """)
 
 
@@ -231,6 +231,8 @@ def test_each_named_agent_of_a_program_is_its_own_episode_whose_conversation_pac
     assert {r["group_id"] for r in rows} == {"r-i0-q0@planner", "r-i0-q0@solver"}
     ends = [r for r in rows if r["done"]]
     assert [(r["agent"], r["termination"]) for r in ends] == [("planner", "answered"), ("solver", "answered")]
+    # the solver's own reward (agent_rewards) on its last step, on top of the answer's score both share
+    assert [r["env_reward"] for r in rows] == [0.0, 0.0, 0.5]
     assert rows[0]["prefix_shared"] and "The solver answered" in rows[0]["observation_text"]
 
 

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 # Waiting without reaping keeps the pid (= the group id) from being reused before the group is killed.
@@ -166,6 +166,7 @@ class ProgramOutcome:
     seconds: float
     stderr_tail: str
     jail: JailReport | None = None
+    agent_rewards: Mapping[str, float] = field(default_factory=dict)  # "agent_rewards" of the answer line
 
 
 def run_programs(spec: ProgramSpec, jobs: Sequence[ProgramJob],
@@ -233,10 +234,12 @@ def run_program(spec: ProgramSpec, job: ProgramJob, jail: ProgramJail | None = N
         what = f"killed by signal {signal_name(-returncode)}" if returncode < 0 else f"exit code {returncode}"
         return failed(f"{what}: {_tail_line(stderr_text) or '(no stderr)'}", returncode, stderr_tail)
     answer, problem = parse_answer(stdout.text())
-    if problem is not None:
+    rewards, reward_problem = parse_agent_rewards(stdout.text()) if problem is None else ({}, None)
+    if problem is not None or reward_problem is not None:
         dropped = f" (stdout over {spec.max_output_bytes} bytes, only its end kept)" if stdout.dropped else ""
-        return failed(problem + dropped, returncode, stderr_tail)
-    return ProgramOutcome(job.key, answer, None, returncode, time.monotonic() - started, stderr_tail, report)
+        return failed((problem or reward_problem) + dropped, returncode, stderr_tail)
+    return ProgramOutcome(job.key, answer, None, returncode, time.monotonic() - started, stderr_tail, report,
+                          rewards)
 
 
 def _jailed(command: Sequence[str], jail: ProgramJail, status_fd: int) -> list[str]:
@@ -263,6 +266,18 @@ def _read_jail_report(status_read: int, timeout_s: float) -> JailReport:
         return JailReport(tuple(status["layers"]), tuple(sorted(status["refused"].items())))
     except (ValueError, KeyError, TypeError, AttributeError):
         return JailReport((), (("all", "the jail ended before it reported its layers"),))
+
+
+def parse_agent_rewards(stdout: str) -> tuple[dict[str, float], str | None]:
+    """The answer line's optional "agent_rewards" ({agent name: finite number}: a reward of each named
+    agent's own, on top of the answer's score they share), or ({}, a one-line reason)."""
+    value = json.loads([line for line in stdout.splitlines() if line.strip()][-1])
+    rewards = value.get("agent_rewards", {})
+    if not isinstance(rewards, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for k, v in rewards.items()):
+        return {}, f"agent_rewards must map agent names to finite numbers, got {_quote(json.dumps(rewards))}"
+    return {k: float(v) for k, v in rewards.items()}, None
 
 
 def parse_answer(stdout: str) -> tuple[str | None, str | None]:

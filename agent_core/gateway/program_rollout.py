@@ -138,7 +138,7 @@ def _end_of(outcome: ProgramOutcome) -> EpisodeEnd:
     info: dict[str, Any] = {"program_seconds": round(outcome.seconds, 3), "program_returncode": outcome.returncode}
     if outcome.failure is not None and outcome.stderr_tail:
         info["program_stderr_tail"] = outcome.stderr_tail[-1000:]
-    return EpisodeEnd(outcome.answer, outcome.failure, info)
+    return EpisodeEnd(outcome.answer, outcome.failure, info, outcome.agent_rewards)
 
 
 def _no_call_end(end: EpisodeEnd, calls: EpisodeCalls) -> EpisodeEnd:

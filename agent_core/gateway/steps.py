@@ -11,8 +11,8 @@ Design notes: docs/architecture.md §11 (agent_core/gateway/steps.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 from agent_core.gateway.core import EpisodeCalls, GatewayCall
 from agent_core.rollout.agent_loop import TRUNCATIONS, opening_anchor
@@ -29,6 +29,7 @@ class EpisodeEnd:
     answer: str | None
     failure: str | None
     info: dict[str, Any]
+    agent_rewards: Mapping[str, float] = field(default_factory=dict)  # env_reward of each named agent's last step
 
 
 def history_of(prompt_ids: list[int], previous: GatewayCall | StepRecord | None) -> str:
@@ -92,7 +93,8 @@ def _agent_steps(identity: EpisodeIdentity, calls: EpisodeCalls, end: EpisodeEnd
             prompt_ids=list(call.prompt_ids), response_ids=list(call.response_ids),
             response_logprobs=list(call.response_logprobs), response_text=call.response_text,
             tool_calls=call.tool_calls, parse_error=call.parse_error, observation_text=observation,
-            env_reward=0.0, done=done, termination=termination, truncated=termination in TRUNCATIONS,
+            env_reward=end.agent_rewards.get(call.agent, 0.0) if done and call.agent else 0.0, done=done,
+            termination=termination, truncated=termination in TRUNCATIONS,
             finish_reason=call.finish_reason, prefix_shared=shared, info=json_text(info),
             served_by=call.served_by, retries=call.retries, generated_at=call.generated_at,
             anchor=opening_anchor(call.prompt_ids) if k == 0 else None,
