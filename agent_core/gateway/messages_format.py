@@ -37,7 +37,7 @@ def chat_request(body: Any) -> ChatRequest:
     chat = {"model": body.get("model", ""), "messages": messages, "tools": [_tool(t) for t in body.get("tools") or []],
             "tool_choice": choice, "parallel_tool_calls": parallel, "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "max_tokens": body["max_tokens"], "stop": body.get("stop_sequences"),
-            "user": (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"), dict) else None,
+            "user": body["metadata"].get("user_id") if isinstance(body.get("metadata"), dict) else None,
             "stream": body.get("stream")}
     return parse_request({k: v for k, v in chat.items() if v is not None})
 

@@ -5,15 +5,12 @@
         ...  # the agent calls f"{gateway.base_url}/chat/completions"
         calls = gateway.finish_episode(token)     # the episode's calls; its token is refused from now on
 
-Endpoints: `POST /v1/chat/completions`, `POST /v1/responses` (OpenAI's Responses API), `POST
-/v1/messages` (Anthropic's Messages API), each also streamed as server-sent events, and `GET
-/v1/models`, all over one recording per episode. Every request needs its episode's token, as `Authorization: Bearer
-<token>` or `x-api-key: <token>` (what the Anthropic client sends), else 401; `X-AgentR1-Agent: <name>`
-(or the body's `user`) names which of the program's agents calls;
-a body over `max_body_bytes` is refused with 413 before it is parsed, whether or not it declares its
-length. No endpoint returns recorded calls: what an episode did leaves the gateway only through
-`finish_episode`, in this process. The socket is bound to 127.0.0.1 only (never 0.0.0.0), on a free
-port chosen by the OS.
+Endpoints: `POST /v1/chat/completions`, `/v1/responses` (OpenAI's Responses API) and `/v1/messages`
+(Anthropic's), each also streamed, and `GET /v1/models`, over one recording per episode. A request
+needs its episode's token (`Authorization: Bearer` or `x-api-key`), else 401; `X-AgentR1-Agent`
+(or the body's `user`) names the program's agent; a body over `max_body_bytes` is 413. No endpoint
+returns recorded calls (only `finish_episode`, in this process). Bound to 127.0.0.1, a free port.
+Design notes: docs/architecture.md §6 (the gateway).
 """
 
 from __future__ import annotations

@@ -140,11 +140,11 @@ def episode_failures(records: Sequence[StepRecord]) -> EpisodeFailures:
     ends = [r for r in records if r.done]
     reasons = [(str(json.loads(r.info).get("error") or "no reason recorded").splitlines() or [""])[0][:300]
                for r in ends if r.termination == "error"]
-    kinds = Counter(re.sub(r"\d+", "#", reason) for reason in reasons)
-    if not kinds:
+    keyed = [(re.sub(r"\d+", "#", reason), reason) for reason in reasons]
+    if not keyed:
         return EpisodeFailures(len(ends), 0)
-    kind, count = kinds.most_common(1)[0]
-    return EpisodeFailures(len(ends), len(reasons), next(r for r in reasons if re.sub(r"\d+", "#", r) == kind), count)
+    kind, count = Counter(key for key, _ in keyed).most_common(1)[0]
+    return EpisodeFailures(len(ends), len(keyed), next(reason for key, reason in keyed if key == kind), count)
 
 
 def storable_env_step(outcome: EnvStep) -> EnvStep:
