@@ -166,3 +166,46 @@ def test_a_concurrent_engine_gets_concurrent_calls_up_to_its_limit(tokenizer):
     assert engine.calls == N and engine.sizes == [1] * N  # one request per call: the engine batches itself
     assert all(len(c) == 1 and c[0].batch_size == 1 for c in calls)
     assert all(r["choices"][0]["message"]["content"] == "hello" for r in replies)
+
+
+def _staggered(gateway: Gateway, tokens: list[str], gap_s: float) -> list[dict]:
+    """One request per episode, sent `gap_s` apart (programs starting one after another)."""
+    def request(k: int, token: str) -> dict:
+        return _post(gateway, token, f"Who directed Harbor? episode {k}")
+
+    futures = []
+    with ThreadPoolExecutor(len(tokens)) as pool:
+        for k, token in enumerate(tokens):
+            futures.append(pool.submit(request, k, token))
+            threading.Event().wait(gap_s)
+        return [f.result(timeout=BOUND_S) for f in futures]
+
+
+def test_first_requests_of_started_programs_share_one_call_though_they_arrive_apart(tokenizer):
+    # Programs start one after another; their first requests arrive apart. The engine waits for
+    # every started program (program_started) while requests keep coming: one call, not a call for
+    # the first arrival and another for the rest (before: "active" counted only episodes that had
+    # already asked, so the first request went alone).
+    engine = _Scripted(tokenizer)
+    limits = GatewayLimits(max_calls=4, max_context_tokens=512, batch_window_s=BOUND_S, batch_max_wait_s=BOUND_S)
+    with Gateway(engine, tokenizer, _sampling(tokenizer), limits) as gateway:
+        tokens = [gateway.open_episode(f"ep-{k}") for k in range(N)]
+        for token in tokens:
+            gateway.program_started(token)
+        replies = _staggered(gateway, tokens, gap_s=0.05)
+    assert [count for count, _ in engine.calls] == [N]
+    assert all(r["choices"][0]["message"]["content"] == "hello" for r in replies)
+
+
+def test_a_call_waits_at_most_max_wait_for_started_programs_that_do_not_ask(tokenizer):
+    # Four programs started, two ask: the quiet window (60 s) alone would hold their call past the
+    # client's timeout; batch_max_wait_s sends it with the two that are queued.
+    engine = _Scripted(tokenizer)
+    limits = GatewayLimits(max_calls=4, max_context_tokens=512, batch_window_s=3 * BOUND_S, batch_max_wait_s=0.2)
+    with Gateway(engine, tokenizer, _sampling(tokenizer), limits) as gateway:
+        tokens = [gateway.open_episode(f"ep-{k}") for k in range(N)]
+        for token in tokens:
+            gateway.program_started(token)
+        replies = _staggered(gateway, tokens[:2], gap_s=0.0)
+    assert [count for count, _ in engine.calls] == [2]
+    assert all(r["choices"][0]["message"]["content"] == "hello" for r in replies)

@@ -171,14 +171,18 @@ class ProgramOutcome:
 
 def run_programs(spec: ProgramSpec, jobs: Sequence[ProgramJob],
                  on_done: Callable[[ProgramOutcome], None] | None = None,
-                 jail: ProgramJail | None = None) -> list[ProgramOutcome]:
+                 jail: ProgramJail | None = None,
+                 on_start: Callable[[ProgramJob], None] | None = None) -> list[ProgramOutcome]:
     """Run every job, at most spec.max_parallel at once, each in `jail` when one is given; call
-    on_done (from a worker thread) as each ends; return the outcomes in job order. Never raises for
-    a program's fault (an exception raised by on_done itself is re-raised here, after every job has ended)."""
+    on_start just before each program starts and on_done as each ends (both from a worker thread);
+    return the outcomes in job order. Never raises for a program's fault (an exception raised by
+    on_start or on_done itself is re-raised here, after every job has ended)."""
     if not jobs:
         return []
 
     def run_and_report(job: ProgramJob) -> ProgramOutcome:
+        if on_start is not None:
+            on_start(job)
         outcome = run_program(spec, job, jail)
         if on_done is not None:
             on_done(outcome)

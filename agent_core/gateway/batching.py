@@ -3,7 +3,8 @@
 
 `EngineQueue`: a concurrent engine (`concurrent_calls` > 1, vLLM) gets up to N calls in flight, one request
 each; a serial engine (hf) gets the queued requests that share sampling settings as ONE generate call, each
-with its own seed, after waiting at most `window_s` for other active episodes. No thread of its own.
+with its own seed, once every live episode has one queued, or no request came for `window_s`, or the
+oldest waited `max_wait_s`. No thread of its own.
 Design notes: docs/architecture.md §11 (agent_core/gateway/batching.py).
 """
 
@@ -17,6 +18,7 @@ from typing import Callable
 from agent_core.rollout.engine import Engine, Generation, SamplingParams, concurrent_calls
 
 DEFAULT_WINDOW_S = 0.05  # program round trips between calls are milliseconds; bench/gateway.py measures
+DEFAULT_MAX_WAIT_S = 1.0  # programs starting together arrive over ~0.5 s on 2 cores (bench/gateway.py)
 
 
 @dataclass(frozen=True)
@@ -52,17 +54,21 @@ def _shareable(params: SamplingParams) -> tuple[SamplingParams, bool]:
 class EngineQueue:
     """The engine as the gateway's request threads use it (module docstring). Thread-safe.
 
-    active_episodes: how many open episodes have made a request (the ones that could join a call).
+    live_episodes: how many open episodes could send a request now (their program runs, or they have
+    made one): the most a call can wait for.
     """
 
-    def __init__(self, engine: Engine, active_episodes: Callable[[], int], window_s: float = DEFAULT_WINDOW_S):
-        self.engine, self.active_episodes, self.window_s = engine, active_episodes, window_s
+    def __init__(self, engine: Engine, live_episodes: Callable[[], int], window_s: float = DEFAULT_WINDOW_S,
+                 max_wait_s: float = DEFAULT_MAX_WAIT_S):
+        self.engine, self.live_episodes = engine, live_episodes
+        self.window_s, self.max_wait_s = window_s, max_wait_s
         self.slots = concurrent_calls(engine)
         self._semaphore = threading.BoundedSemaphore(self.slots)
         self._cond = threading.Condition()
         self._queue: list[_Job] = []
         self._leading = False
         self._free_since = time.perf_counter()  # when the serial engine last finished a call
+        self._last_arrival = 0.0
         self.calls = 0  # generate calls made, for tests and the benchmark
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, session: str) -> Served:
@@ -73,6 +79,7 @@ class EngineQueue:
         job = _Job(prompt_ids, params, session, time.perf_counter())
         with self._cond:
             self._queue.append(job)
+            self._last_arrival = job.arrived
             self._cond.notify_all()  # a leader waiting for stragglers counts again
             while not job.done and self._leading:
                 self._cond.wait()
@@ -111,12 +118,15 @@ class EngineQueue:
                 self._cond.notify_all()
 
     def _next_batch(self) -> list[_Job]:
-        """The oldest queued request and those that can share its call, once the rules allow (docstring)."""
+        """The oldest queued request and those that can share its call, once the rules allow (docstring):
+        the wait ends when every live episode has a request queued, when none arrived for window_s
+        (while requests keep coming, more are on their way), or max_wait_s after the call could first go."""
         with self._cond:
             while True:
-                deadline = max(self._free_since, self._queue[0].arrived) + self.window_s
+                could_go = max(self._free_since, self._queue[0].arrived)
+                deadline = min(max(could_go, self._last_arrival) + self.window_s, could_go + self.max_wait_s)
                 remaining = deadline - time.perf_counter()
-                if remaining <= 0 or len(self._queue) >= self.active_episodes():
+                if remaining <= 0 or len(self._queue) >= self.live_episodes():
                     break
                 self._cond.wait(remaining)
             key = _shareable(self._queue[0].params)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent_core.envs.tool_env import ChatCapabilities
-from agent_core.gateway.batching import DEFAULT_WINDOW_S, EngineQueue
+from agent_core.gateway.batching import DEFAULT_MAX_WAIT_S, DEFAULT_WINDOW_S, EngineQueue
 from agent_core.envs.formats.hermes import TOOL_CALL_CLOSE
 from agent_core.gateway.openai_format import (
     ChatRequest, Completion, chat_messages, conversation, forced_prefix, one_call_only, parse_tool_calls,
@@ -84,13 +84,15 @@ class GatewayLimits:
     """max_calls: calls an episode may make (the rollout's max_steps). max_context_tokens: prompt
     plus generated tokens per call. honor_request_sampling: use a request's temperature / top_p (an
     evaluation may); off in training, where log-probs must come from the run's sampling settings.
-    batch_window_s: with a serial engine, how long a free engine waits for the other active
-    episodes' requests before it generates for those queued (agent_core/gateway/batching.py)."""
+    batch_window_s / batch_max_wait_s: with a serial engine, how long a free engine waits for the other
+    live episodes' requests before it generates for those queued: until none came for window_s, at most
+    max_wait_s (agent_core/gateway/batching.py)."""
 
     max_calls: int
     max_context_tokens: int
     honor_request_sampling: bool = False
     batch_window_s: float = DEFAULT_WINDOW_S
+    batch_max_wait_s: float = DEFAULT_MAX_WAIT_S
 
 
 @dataclass
@@ -102,7 +104,7 @@ class _Episode:
     refusal: str | None = None
     reserved: int = 0  # requests that hold a call slot and are not recorded yet (module docstring)
     seeds_drawn: int = 0
-    active: bool = False  # it has made a request: the engine queue may wait for its next one
+    live: bool = False  # its program runs or it made a request: the engine queue may wait for its next one
     # per agent name: (messages, tools, call, reply content, reply tool_calls) of its last call
     last: dict[str | None, tuple] = field(default_factory=dict)
 
@@ -117,8 +119,8 @@ class GatewayCore:
         self.end_of_turn_ids = frozenset(eos_token_ids(tokenizer))
         self._episodes: dict[str, _Episode] = {}  # token -> open episode
         self._lock = threading.Lock()  # the episode table
-        self._opened = self._active = 0
-        self.engine_queue = EngineQueue(engine, self._active_episodes, limits.batch_window_s)
+        self._opened = self._live = 0
+        self.engine_queue = EngineQueue(engine, self._live_episodes, limits.batch_window_s, limits.batch_max_wait_s)
 
     def open_episode(self, episode_id: str) -> str:
         """A new episode's bearer token."""
@@ -128,11 +130,16 @@ class GatewayCore:
             self._opened += 1
         return token
 
+    def program_started(self, token: str) -> None:
+        """The episode's program was started: the engine queue may wait for its first request."""
+        with self._lock:
+            self._mark_live(self._episodes[token])
+
     def finish_episode(self, token: str) -> EpisodeCalls:
         """The episode's calls; its token is refused from now on. KeyError for an unknown token."""
         with self._lock:
             episode = self._episodes.pop(token)
-            self._active -= episode.active
+            self._live -= episode.live
         self.engine_queue.episodes_changed()
         return EpisodeCalls(episode.episode_id, tuple(episode.calls), episode.budget_hit, episode.refusal)
 
@@ -199,9 +206,7 @@ class GatewayCore:
             episode = self._episodes.get(token)
             if episode is None:
                 raise GatewayError(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
-            if not episode.active:
-                episode.active = True
-                self._active += 1
+            self._mark_live(episode)
             if len(episode.calls) + episode.reserved >= self.limits.max_calls:
                 message = f"this episode has used its {self.limits.max_calls} calls (rollout.max_steps)"
                 episode.budget_hit = episode.budget_hit or "max_steps"
@@ -291,10 +296,17 @@ class GatewayCore:
         return replace(base, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=None,
                        prompt_seeds=None), requested
 
-    def _active_episodes(self) -> int:
-        """Open episodes that have made a request (called by the engine queue, never under self._lock)."""
+    def _mark_live(self, episode: _Episode) -> None:
+        """(under self._lock)"""
+        if not episode.live:
+            episode.live = True
+            self._live += 1
+
+    def _live_episodes(self) -> int:
+        """Open episodes whose program was started or that made a request (called by the engine
+        queue, never under self._lock)."""
         with self._lock:
-            return self._active
+            return self._live
 
 
 def cut_at_stop(tokenizer, ids: list[int], logprobs: list[float], finish: str, stops: tuple[str, ...],

@@ -82,18 +82,21 @@ def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], s
                     failed_early.append((by_id[outcome.key], _no_call_end(end, calls)))
             report(1, total=len(identities))
 
+        def on_start(job: ProgramJob) -> None:  # the engine queue may now wait for its first request
+            gateway.program_started(tokens[job.key])
+
         jobs = [ProgramJob(identity.episode_id, _stdin(prompt_of[identity.episode_id]),
                            _environment(gateway, tokens[identity.episode_id], identity.episode_id,
                                         settings.corpus_path))
                 for identity in identities]
         outcomes = []
         if settings.preflight:
-            outcomes = run_programs(spec, jobs[:1], on_done, settings.jail)
+            outcomes = run_programs(spec, jobs[:1], on_done, settings.jail, on_start)
             if failed_early:
                 raise PreflightError(f"agent_program preflight: the first episode ({jobs[0].key}) failed before any "
                                      f"call: {failed_early[0][1].failure}")
             jobs = jobs[1:]
-        outcomes += run_programs(spec, jobs, on_done, settings.jail)
+        outcomes += run_programs(spec, jobs, on_done, settings.jail, on_start)
     _say_missing_layers(outcomes)
     failures = [o for o in outcomes if o.failure is not None]
     if failures:

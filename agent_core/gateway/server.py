@@ -179,6 +179,9 @@ class Gateway:
     def open_episode(self, episode_id: str) -> str:
         return self.core.open_episode(episode_id)
 
+    def program_started(self, token: str) -> None:
+        self.core.program_started(token)
+
     def finish_episode(self, token: str) -> EpisodeCalls:
         return self.core.finish_episode(token)
 
