@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DATA_ROOT ?= data
 PYTEST_ARGS ?=
 
-.PHONY: install demo experiment test test-slow test-all smollm2 smollm2-recipe smollm2-wheel vllm ray trl bench bench-soak clean
+.PHONY: install demo experiment test test-slow test-all smollm2 smollm2-recipe smollm2-wheel vllm ray trl bench bench-soak clean chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,13 +33,21 @@ test: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) || exit $$?; \
 	if [ $$lint -ne 0 ]; then echo "make: lint-imports found broken import contracts (above)"; fi; exit $$lint
 
-# The slow tests include converting SmolLM2 and the vLLM engine's half of the contract test, so they
-# fetch SmolLM2's wheel and build vLLM's virtualenv first.
+# The slow tests include converting SmolLM2, the vLLM engine's half of the contract test and the
+# viewer's browser tests, so they fetch SmolLM2's wheel, build vLLM's virtualenv and install Chromium first.
 # pytest exits 5 when nothing is selected; that is not a failure here.
-test-slow: $(STAMP) smollm2-wheel vllm ray
+test-slow: $(STAMP) smollm2-wheel vllm ray chromium
 	$(PY) -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: test test-slow
+
+# Chromium for the viewer's browser tests (tests/test_viewer.py), from the OS packages (Debian: as root);
+# Playwright drives it (its own browser download host is not reachable from these machines).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  echo "make: installing chromium (OS package, ~1 minute) for the browser tests"; \
+	  apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+	  || { echo "make: could not install chromium (apt-get, as root); install it and rerun"; exit 1; }; }
 
 # Ray, for scale-out (cluster.address; docs/scale-out.md): an optional extra, ~240 MB.
 RAY_STAMP := $(VENV)/.ray-installed

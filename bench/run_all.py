@@ -1,7 +1,7 @@
 """Run every benchmark, each in its own process, then write the benchmarks page (`make bench`).
 
 The list is bench.report.BENCHMARKS (rollout, gateway, training, overhead, scaling, trl_compare, memory,
-scale_out);
+scale_out, viewer);
 a script that is not there (or has no main()) is reported and skipped. Each script runs as
 `python -m bench.<name> [--quick]` in a fresh process (its own imports, memory peak, Prefect
 state) with $BENCH_RESULTS_DIR pointing at the results folder; a script's old result is removed

@@ -8,6 +8,7 @@
     agentr1 rerun --run-id R --iteration K --stage S [--set key=value ...]
     agentr1 runs                       list runs and their iterations
     agentr1 audit --run-id R           behaviour health checks over a run's tables; exit 1 when one fails
+    agentr1 view [--port 8765]         browse runs, iterations and episodes in a web browser (127.0.0.1)
     agentr1 eval --run-id R [--methods naive_rag,base_tool_call,agent] [--seeds 3] [--greedy] [--limit N]
     agentr1 experiment [--experiment configs/experiment.yaml] [--set key=value ...]
                                        the paper's Tables 3-4 at CPU scale -> docs/results.md + plots
@@ -92,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--run-id", required=True)
     audit.add_argument("--checks", metavar="FILE", help="YAML with more audit checks and thresholds (the keys of an "
                        "audit: section), layered over the run's recorded ones")
+    from flows.view_command import add_view_arguments
+
+    add_view_arguments(add("view", "browse runs, iterations and episodes (tokens, loss mask, advantages) in a web browser"))
     sub.add_parser("configs", help="list the configs shipped with the package (usable as --config NAME)",
                    description="list the configs shipped with the package (usable as --config NAME)")
     _add_eval(add("eval", "evaluate methods of a run over a dataset split: EM and F1, mean ± std over seeds"))
@@ -227,6 +231,12 @@ def _score(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.3f}"
 
 
+def _view(args: argparse.Namespace) -> int:
+    from flows.view_command import view_command
+
+    return view_command(args, Path(args.data_root or DEFAULT_DATA_ROOT))
+
+
 def _query(args: argparse.Namespace) -> int:
     from flows.query_command import query_command
 
@@ -256,50 +266,9 @@ def _rerun(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    """Exit 0 when every run was read whole; 1 when anything (a run's file, mlflow.db) could not be:
-    the readable runs are still listed, and each problem is one line on stderr (like `ls`, a script
-    sees that the listing is incomplete without parsing it)."""
-    from agent_core.io.layout import DataRoot
-    from agent_core.io.run_status import list_runs, one_line, printable
+    from flows.runs_command import runs_command
 
-    root = DataRoot(Path(args.data_root or DEFAULT_DATA_ROOT))
-    problems = _reroot_mlflow_store(root)
-    rows, run_problems = list_runs(root)
-    problems += run_problems
-    if not rows:
-        print(f"agentr1: no runs under {root.runs_dir}")
-    else:
-        width = max(len("run"), *(len(r.run_id) for r in rows))
-        print(f"{'run':<{width}}  {'status':<8}  {'iterations':>10}  {'dev EM':>6}  {'failed episodes':>15}  algorithm")
-        for r in rows:
-            planned = "?" if r.iterations_planned is None else str(r.iterations_planned)
-            # nan: not evaluated yet; None: its table is unreadable
-            dev = "?" if r.last_dev_em is None else "-" if math.isnan(r.last_dev_em) else f"{r.last_dev_em:.3f}"
-            failed = "?" if r.failed_episodes is None else "{}/{}".format(*r.failed_episodes)
-            line = (f"{r.run_id:<{width}}  {r.status:<8}  {f'{r.iterations_done}/{planned}':>10}  {dev:>6}  "
-                    f"{failed:>15}  {r.algorithm}")
-            print(line + (f"  ({one_line(r.detail, 500)})" if r.detail else ""))
-    for problem in problems:
-        print(f"agentr1: runs: {printable(problem)}", file=sys.stderr)
-    return 1 if problems else 0
-
-
-def _reroot_mlflow_store(root) -> list[str]:
-    """A moved or copied data root: point its MLflow store here, so `mlflow models serve` works next.
-    A damaged store is one line, not the end of the listing (the runs are listed from their folders)."""
-    import sqlite3
-
-    from agent_core.io.mlflow_store import reroot_store
-    from agent_core.io.run_status import one_line
-
-    try:
-        rewritten = reroot_store(root.mlflow_tracking_uri, root.mlflow_artifacts)
-    except (sqlite3.Error, OSError) as error:
-        return [f"mlflow.db ({root.mlflow_db}): the MLflow store is unreadable ({one_line(error)}); runs are listed "
-                "from their folders; restore it from a backup, or move it aside and the next run starts a new one"]
-    if rewritten:
-        print(f"agentr1: the MLflow store moved with the data root: {rewritten} artifact locations now point under {root.path}")
-    return []
+    return runs_command(Path(args.data_root or DEFAULT_DATA_ROOT))
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -378,7 +347,7 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"demo": _train, "train": _train, "resume": _resume, "query": _query, "rerun": _rerun, "runs": _runs, "audit": _audit, "eval": _eval,
-            "experiment": _experiment, "configs": _configs}
+            "experiment": _experiment, "configs": _configs, "view": _view}
 
 
 def main(argv: list[str] | None = None) -> int:

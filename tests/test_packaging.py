@@ -67,6 +67,8 @@ def test_the_wheel_ships_every_module_and_every_config(wheel):
                for path in (REPO_ROOT / "configs").rglob("*.yaml")}
     assert {"flows/configs/tiny.yaml", "flows/configs/demo.yaml", "flows/configs/algos/ppo.yaml"} <= configs
     assert configs <= names, sorted(configs - names)
+    templates = {path.relative_to(REPO_ROOT).as_posix() for path in (REPO_ROOT / "agent_core/viewer").rglob("*.html")}
+    assert "agent_core/viewer/templates/episode.html" in templates and templates <= names, sorted(templates - names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "agentr1 = flows.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

@@ -1,0 +1,186 @@
+"""What `agentr1 view` shows, read from the step tables (docs/guides/view-your-runs.md).
+
+Every read goes through a read-only catalog (`open_run_catalog`, the one `agentr1 query` and the
+audit use): one SELECT, only the tables' files readable. A user's episode filter is a `where`
+clause put into one such SELECT, so COPY, a second statement or `read_text(...)` are refused as
+they are in `agentr1 query`. Typed rows out, never DataFrames.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from agent_core.io.layout import DataRoot, RunLayout
+from agent_core.io.readonly_sql import QueryError, one_line
+from agent_core.io.run_catalog import open_run_catalog
+from agent_core.io.run_status import RunStatus, list_runs
+from agent_core.io.summaries import IterationSummary, eval_scores, iteration_summary
+
+EPISODE_COLUMNS = ("episode_id", "group_id", "prompt_id", "sample_idx", "steps", "tokens", "termination",
+                   "reward", "em")
+EPISODE_LIMIT = 500  # rows an iteration's table shows; the filter narrows it
+_EPISODES_SQL = """
+WITH ep AS (
+    SELECT episode_id, any_value(group_id) AS group_id, any_value(prompt_id) AS prompt_id,
+           any_value(sample_idx) AS sample_idx, count(*) AS steps, sum(len(response_ids)) AS tokens,
+           max(CASE WHEN done THEN termination END) AS termination
+    FROM steps GROUP BY episode_id),
+rw AS (SELECT episode_id, sum(reward) AS reward, max(em) AS em FROM rewards GROUP BY episode_id)
+SELECT ep.*, rw.reward, rw.em FROM ep LEFT JOIN rw USING (episode_id)"""
+_STEPS_SQL = """
+SELECT s.step_idx, s.prompt_ids, s.response_ids, s.response_logprobs, s.response_text, s.tool_calls,
+       s.parse_error, s.observation_text, s.termination, s.finish_reason, s.history, s.agent,
+       r.reward, r.process_reward, r.outcome_reward, a.advantages, a.obs_advantages
+FROM steps s
+LEFT JOIN rewards r USING (episode_id, step_idx)
+LEFT JOIN advantages a USING (episode_id, step_idx)
+WHERE s.episode_id = {episode} ORDER BY s.step_idx"""
+
+
+@dataclass(frozen=True)
+class RunOverview:
+    status: RunStatus
+    dev_em: tuple[float, ...]  # per done iteration (nan: not evaluated), for the sparkline
+
+
+@dataclass(frozen=True)
+class EpisodeRow:
+    episode_id: str
+    group_id: str
+    prompt_id: str
+    sample_idx: int
+    steps: int
+    tokens: int
+    termination: str | None
+    reward: float | None
+    em: float | None
+
+
+@dataclass(frozen=True)
+class Token:
+    text: str
+    token_id: int
+    logprob: float
+    advantage: float | None  # None: not trained (no advantages row, e.g. a failed episode left out)
+
+    @property
+    def trained(self) -> bool:
+        return self.advantage is not None
+
+
+@dataclass(frozen=True)
+class StepView:
+    step_idx: int
+    context: str  # the prompt the policy saw at this step, decoded
+    action: tuple[Token, ...]
+    response_text: str
+    tool_calls: str
+    parse_error: str | None
+    observation: str
+    observation_trained: bool  # the observation's tokens carry advantages (the loss mask's ablation)
+    termination: str | None
+    finish_reason: str
+    history: str | None
+    agent: str | None
+    reward: float | None
+    process_reward: float | None
+    outcome_reward: float | None
+
+
+class ViewError(Exception):
+    """A page's data could not be read: one line naming the table or the refused SQL."""
+
+
+def runs_overview(root: DataRoot) -> tuple[list[RunOverview], list[str]]:
+    """Every run with its dev EM per iteration; problems as `agentr1 runs` reports them."""
+    statuses, problems = list_runs(root)
+    out = []
+    for status in statuses:
+        run = root.run(status.run_id)
+        out.append(RunOverview(status, tuple(_dev_em(run, k) for k in run.iterations())))
+    return out, problems
+
+
+def _dev_em(run: RunLayout, iteration: int) -> float:
+    try:
+        return eval_scores(run.dev_eval_uri(iteration))[0]
+    except (duckdb.Error, OSError, ValueError, TypeError):
+        return math.nan
+
+
+def run_iterations(run: RunLayout) -> list[IterationSummary]:
+    """The run's iterations that have their tables (ViewError naming the first unreadable one)."""
+    out = []
+    for k in run.iterations():
+        try:
+            out.append(iteration_summary(run, k))
+        except (duckdb.Error, OSError, ValueError, TypeError) as error:
+            if not Path(run.table_uri(k, "train_metrics")).exists():
+                break  # the iteration in progress
+            raise ViewError(f"iteration {k} of {run.run_id}: {one_line(error)}") from None
+    return out
+
+
+def run_table_rows(run: RunLayout, table: str, order: str) -> list[dict[str, Any]]:
+    """Every row of one of the run's tables (health, ledger), ordered."""
+    return _select(run, None, f"SELECT * FROM {table} ORDER BY {order}")
+
+
+def iteration_episodes(run: RunLayout, iteration: int, where: str = "", order_by: str = "episode_id",
+                       descending: bool = False) -> list[EpisodeRow]:
+    """The iteration's episodes (EPISODE_COLUMNS), filtered by a user's `where` clause; ViewError when
+    the clause is refused or fails, saying why."""
+    if order_by not in EPISODE_COLUMNS:
+        raise ViewError(f"cannot sort by {order_by!r}; columns: {', '.join(EPISODE_COLUMNS)}")
+    sql = f"SELECT * FROM ({_EPISODES_SQL}) AS episodes"
+    if where.strip():
+        sql += f" WHERE ({where})"
+    sql += f" ORDER BY {order_by} {'DESC' if descending else 'ASC'} NULLS LAST, episode_id LIMIT {EPISODE_LIMIT}"
+    return [EpisodeRow(**row) for row in _select(run, [iteration], sql)]
+
+
+def episode_steps(run: RunLayout, iteration: int, episode_id: str, tokenizer) -> list[StepView]:
+    """One episode's steps with their tokens, log-probs and advantages; ViewError when it has none."""
+    rows = _select(run, [iteration], _STEPS_SQL.format(episode=_quote(episode_id)))
+    if not rows:
+        raise ViewError(f"no episode {episode_id!r} in iteration {iteration} of {run.run_id}")
+    return [_step_view(row, tokenizer) for row in rows]
+
+
+def _step_view(row: dict[str, Any], tokenizer) -> StepView:
+    advantages = row["advantages"]
+    ids, logprobs = row["response_ids"], row["response_logprobs"]
+    action = tuple(Token(tokenizer.decode([i]), i, lp, None if advantages is None else advantages[k])
+                   for k, (i, lp) in enumerate(zip(ids, logprobs)))
+    return StepView(row["step_idx"], tokenizer.decode(row["prompt_ids"]), action, row["response_text"],
+                    row["tool_calls"], row["parse_error"], row["observation_text"],
+                    row["obs_advantages"] is not None, row["termination"], row["finish_reason"], row["history"],
+                    row["agent"], row["reward"], row["process_reward"], row["outcome_reward"])
+
+
+def episode_sql(run_id: str, iteration: int, episode_id: str) -> str:
+    """The `agentr1 query` that shows the episode's steps as this page does."""
+    quote = _quote
+    return (f"SELECT s.step_idx, s.response_text, s.observation_text, r.reward, a.advantages FROM steps s "
+            f"LEFT JOIN rewards r USING (run_id, iteration, episode_id, step_idx) "
+            f"LEFT JOIN advantages a USING (run_id, iteration, episode_id, step_idx) "
+            f"WHERE s.run_id = {quote(run_id)} AND s.iteration = {iteration} AND s.episode_id = {quote(episode_id)} "
+            f"ORDER BY s.step_idx")
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _select(run: RunLayout, iterations: list[int] | None, sql: str) -> list[dict[str, Any]]:
+    try:
+        with open_run_catalog(run, iterations) as catalog:
+            table = catalog.select(sql)
+    except QueryError as error:
+        raise ViewError(str(error)) from None
+    return table.to_pylist()

@@ -1,0 +1,250 @@
+"""`agentr1 view` (agent_core/viewer, agent_core/io/trace_view.py) on a real tiny run, over real HTTP
+(werkzeug's server on 127.0.0.1, `http.client`) and in a real headless browser (Chromium from the OS
+packages, driven by Playwright: tests/test_viewer.py::test_in_a_browser...).
+
+What is checked against the tables themselves, not against hard-coded values: the tokens the episode
+page shows as trained are exactly the steps table's action tokens that have an advantages row, and
+the advantages shown are the advantages table's."""
+
+from __future__ import annotations
+
+import html
+import os
+import http.client
+import re
+import shutil
+import socket
+import threading
+import urllib.parse
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+BOUND_S = 60.0
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    from agent_core.validation import load_config
+    from flows.train import train
+
+    root = tmp_path_factory.mktemp("view")
+    train(load_config(REPO_ROOT / "configs" / "tiny.yaml", [f"data_root={root}", "run_id=view-run", "iterations=2"]))
+    return root
+
+
+@pytest.fixture(scope="module")
+def masked_root(data_root, tmp_path_factory) -> Path:
+    """A copy of the run whose first episode's step 1 has no advantages row (as a step left out of
+    training has none): its tokens must show as not trained, the other steps' as trained."""
+    root = tmp_path_factory.mktemp("masked") / "root"
+    shutil.copytree(data_root, root, ignore=shutil.ignore_patterns(".query-*", "*.lock"))
+    table = root / "runs/view-run/iteration=1/advantages.parquet"
+    kept = table.with_name("kept.tmp")
+    with duckdb.connect() as con:
+        con.execute(f"COPY (SELECT * FROM read_parquet('{table}') WHERE NOT (episode_id = ? AND step_idx = 1)) "
+                    f"TO '{kept}' (FORMAT parquet)", [_first_episode(data_root)])
+    kept.replace(table)
+    return root
+
+
+class _Served:
+    """The viewer's own server (flows/view_command.py's make_server) on a free port, in a thread."""
+
+    def __init__(self, root: Path, host: str = "127.0.0.1"):
+        from werkzeug.serving import make_server
+
+        from agent_core.viewer.app import create_app
+
+        self.server = make_server(host, 0, create_app(root), threaded=True)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "_Served":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(BOUND_S)
+
+    def get(self, path: str) -> tuple[int, str]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=BOUND_S)
+        connection.request("GET", path)
+        response = connection.getresponse()
+        body = response.read().decode()
+        connection.close()
+        return response.status, body
+
+
+def _steps(root: Path, episode_id: str) -> list[tuple]:
+    """(response_ids, advantages or None) per step, straight from the Parquet files."""
+    with duckdb.connect() as con:
+        return con.execute(
+            "SELECT s.response_ids, a.advantages FROM read_parquet(?) s LEFT JOIN read_parquet(?) a "
+            "USING (episode_id, step_idx) WHERE s.episode_id = ? ORDER BY s.step_idx",
+            [str(root / "runs/view-run/iteration=1/steps.parquet"),
+             str(root / "runs/view-run/iteration=1/advantages.parquet"), episode_id]).fetchall()
+
+
+def _first_episode(root: Path) -> str:
+    with duckdb.connect() as con:
+        return con.execute("SELECT min(episode_id) FROM read_parquet(?)",
+                           [str(root / "runs/view-run/iteration=1/steps.parquet")]).fetchone()[0]
+
+
+def test_pages_over_http_show_the_tables(masked_root):
+    episode = _first_episode(masked_root)
+    with _Served(masked_root) as served:
+        status, runs = served.get("/")
+        assert status == 200 and 'href="/run/view-run"' in runs and "finished" in runs
+        status, run = served.get("/run/view-run")
+        assert status == 200 and 'href="/run/view-run/iteration/1"' in run and 'id="health"' in run
+        status, episodes = served.get("/run/view-run/iteration/1")
+        assert status == 200 and urllib.parse.quote(episode) in episodes
+        status, page = served.get(f"/run/view-run/iteration/1/episode/{urllib.parse.quote(episode)}")
+        assert status == 200
+        shown = [(int(i), a) for i, a in re.findall(r'class="tok (?:un)?trained" data-id="(\d+)" data-logprob="[^"]*" '
+                                                    r'data-advantage="([^"]*)"', page)]
+        steps = _steps(masked_root, episode)
+        assert [advs is None for _, advs in steps][:2] == [False, True]  # the fixture's mask: both kinds shown
+        expected = [(i, "" if advs is None else repr(advs[k])) for ids, advs in steps for k, i in enumerate(ids)]
+        assert [i for i, _ in shown] == [i for i, _ in expected]
+        assert [float(a) if a else None for _, a in shown] == pytest.approx(
+            [float(a) if a else None for _, a in expected])
+        sql = html.unescape(re.search(r'<pre id="sql">(.*?)</pre>', page, re.DOTALL).group(1))
+        assert f"s.episode_id = '{episode}'" in sql
+    from agent_core.io.query import run_query  # "copy as SQL": `agentr1 query` gives the page's steps
+
+    reproduced = run_query(masked_root, sql).to_pylist()
+    assert [row["advantages"] is None for row in reproduced] == [advs is None for _, advs in steps]
+
+
+@pytest.mark.parametrize("where", ["1=1; COPY steps TO 'stolen.csv'",
+                                   "episode_id IN (SELECT content FROM read_text('/etc/passwd'))",
+                                   "episode_id IN (SELECT * FROM read_csv('/etc/hostname'))"])
+def test_a_hostile_filter_is_refused_with_a_message(data_root, where):
+    with _Served(data_root) as served:
+        status, page = served.get(f"/run/view-run/iteration/1?where={urllib.parse.quote(where)}")
+    assert status == 400
+    message = html.unescape(re.search(r'id="error">([^<]*)<', page).group(1))
+    assert message.strip() and "root:" not in message
+    assert not (data_root / "stolen.csv").exists() and not Path("stolen.csv").exists()
+
+
+def test_a_filter_narrows_and_sorts_the_episodes(data_root):
+    with _Served(data_root) as served:
+        _, everything = served.get("/run/view-run/iteration/1")
+        _, one_step = served.get("/run/view-run/iteration/1?where=" + urllib.parse.quote("steps = 1"))
+    with duckdb.connect() as con:
+        expected = con.execute("SELECT count(*) FROM (SELECT episode_id FROM read_parquet(?) GROUP BY 1 "
+                               "HAVING count(*) = 1)", [str(data_root / "runs/view-run/iteration=1/steps.parquet")]
+                               ).fetchone()[0]
+    assert one_step.count("/episode/") == expected <= everything.count("/episode/")
+
+
+def test_a_damaged_table_breaks_its_page_only(data_root, tmp_path):
+    copy = tmp_path / "root"
+    shutil.copytree(data_root, copy, ignore=shutil.ignore_patterns(".query-*", "*.lock"))
+    (copy / "runs/view-run/iteration=1/steps.parquet").write_bytes(b"PAR1 not a table PAR1")
+    with _Served(copy) as served:
+        status, page = served.get("/run/view-run/iteration/1")
+        assert status == 400 and "steps" in html.unescape(re.search(r'id="error">([^<]*)<', page).group(1))
+        assert served.get("/")[0] == 200
+        assert served.get("/run/view-run/iteration/0")[0] == 200
+
+
+def test_it_listens_on_127_0_0_1_only_by_default(data_root):
+    from flows.cli import _parser
+
+    args = _parser().parse_args(["view", "--data-root", str(data_root)])
+    assert args.host == "127.0.0.1"
+    with _Served(data_root, args.host) as served:
+        assert served.server.server_address[0] == "127.0.0.1"
+        other = _an_address_not_loopback()
+        if other is not None:  # the port is not open on the machine's other addresses
+            with pytest.raises(OSError):
+                socket.create_connection((other, served.port), timeout=5).close()
+
+
+def _an_address_not_loopback() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing interface
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_in_a_browser_the_trained_tokens_are_the_loss_mask_and_the_advantages_the_tables(masked_root, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    assert CHROMIUM, "no chromium: `make test-slow` installs it (apt-get install chromium)"
+    episode = _first_episode(masked_root)
+    shots = Path(os.environ.get("AGENTR1_SCREENSHOTS", tmp_path / "shots"))  # the README's: docs/images/viewer
+    with _Served(masked_root) as served, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.set_default_timeout(BOUND_S * 1000)
+            page.goto(f"http://127.0.0.1:{served.port}/")
+            page.screenshot(path=str(shots / "runs.png"), full_page=True)
+            page.click("text=view-run")
+            page.wait_for_selector("#iterations")
+            page.screenshot(path=str(shots / "run.png"), full_page=True)
+            page.click('#iterations a[href$="/iteration/1"]')
+            page.wait_for_selector("#episodes")
+            page.screenshot(path=str(shots / "iteration.png"), full_page=True)
+            page.click(f'a[href$="/episode/{urllib.parse.quote(episode)}"]')
+            page.wait_for_selector(".step")
+            page.screenshot(path=str(shots / "episode.png"), full_page=True)
+            steps = page.eval_on_selector_all(".step", """sections => sections.map(s => Array.from(
+                s.querySelectorAll('.tok')).map(t => [Number(t.dataset.id), t.classList.contains('trained'),
+                t.dataset.advantage === '' ? null : Number(t.dataset.advantage),
+                getComputedStyle(t).textDecorationLine]))""")
+            page.goto(f"http://127.0.0.1:{served.port}/run/view-run/iteration/1?where="
+                      + urllib.parse.quote("1=1; COPY steps TO 'x.csv'"))
+            refused = page.inner_text("#error")
+        finally:
+            browser.close()
+    expected = _steps(masked_root, episode)
+    assert [[t[0] for t in step] for step in steps] == [list(ids) for ids, _ in expected]
+    for step, (ids, advantages) in zip(steps, expected):
+        assert [t[1] for t in step] == [advantages is not None] * len(ids)  # trained = in the loss mask
+        assert all(("line-through" in t[3]) != t[1] for t in step)  # what is not trained is shown struck
+        if advantages is not None:
+            assert [t[2] for t in step] == pytest.approx(list(advantages), abs=1e-6)
+    assert any(t[1] for step in steps for t in step) and not all(t[1] for step in steps for t in step)
+    assert "syntax" in refused
+    assert sorted(p.name for p in shots.iterdir()) == ["episode.png", "iteration.png", "run.png", "runs.png"]
+
+
+def test_agentr1_view_serves_until_interrupted_and_refuses_a_root_without_runs(data_root, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    empty = subprocess.run([sys.executable, "-m", "flows.cli", "view", "--data-root", str(tmp_path)],
+                           capture_output=True, text=True, timeout=BOUND_S, cwd=REPO_ROOT)
+    assert empty.returncode == 2 and "no runs under" in empty.stderr
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "view", "--data-root", str(data_root), "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        line = process.stdout.readline()  # the URL line; the command prints it before serving
+        url = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        assert url, line + process.stderr.read() if process.poll() is not None else line
+        connection = http.client.HTTPConnection("127.0.0.1", int(url.group(1)), timeout=BOUND_S)
+        connection.request("GET", "/")
+        response = connection.getresponse()
+        assert response.status == 200 and b"view-run" in response.read()
+        connection.close()
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(BOUND_S)
