@@ -40,6 +40,9 @@ def arguments(argv: list[str] | None):
 
 def build_root(root: Path, config: str, runs: int, progress: Progress) -> tuple[str, int, str]:
     """Train one run and copy it; (run_id, last iteration, its episode with the most tokens)."""
+    from flows.environment import configure_environment
+
+    configure_environment(root)  # this data root's Prefect state, before anything imports prefect
     from agent_core.io.query import run_query
     from agent_core.validation import load_config
     from flows.configs_lookup import resolve_config
