@@ -96,6 +96,8 @@ def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], s
                 raise PreflightError(f"agent_program preflight: the first episode ({jobs[0].key}) failed before any "
                                      f"call: {failed_early[0][1].failure}")
             jobs = jobs[1:]
+        for job in jobs[:spec.max_parallel]:  # these start at once: counted before any runs, since one worker's
+            on_start(job)                     # on_start can come after another's program already asked
         outcomes += run_programs(spec, jobs, on_done, settings.jail, on_start)
     _say_missing_layers(outcomes)
     failures = [o for o in outcomes if o.failure is not None]
