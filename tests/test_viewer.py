@@ -248,3 +248,23 @@ def test_agentr1_view_serves_until_interrupted_and_refuses_a_root_without_runs(d
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(BOUND_S)
+
+
+def test_compare_shows_one_prompts_episodes_of_two_runs_side_by_side(data_root, tmp_path):
+    copy = tmp_path / "root"
+    shutil.copytree(data_root, copy, ignore=shutil.ignore_patterns(".query-*", "*.lock"))
+    shutil.copytree(copy / "runs/view-run", copy / "runs/view-run-b")  # a second run: the same episodes
+    with duckdb.connect() as con:
+        prompt, episodes = con.execute(
+            "SELECT prompt_id, list(DISTINCT episode_id ORDER BY episode_id) FROM read_parquet(?) GROUP BY 1 "
+            "ORDER BY 1 LIMIT 1", [str(data_root / "runs/view-run/iteration=1/steps.parquet")]).fetchone()
+    with _Served(copy) as served:
+        status, page = served.get(f"/compare?prompt_id={urllib.parse.quote(prompt)}&a=view-run/1&b=view-run-b/1")
+        assert status == 200
+        sides = page.split('class="side"')[1:]
+        assert len(sides) == 2
+        for side in sides:
+            assert sorted(re.findall(r'/episode/([^"]+)"', side)) == [urllib.parse.quote(e) for e in episodes]
+        _, iteration_page = served.get("/run/view-run/iteration/1")
+        assert f"/compare?prompt_id={urllib.parse.quote(prompt)}&a=view-run/0&b=view-run/1" in iteration_page
+        assert served.get("/compare?prompt_id=x&a=view-run")[0] == 400

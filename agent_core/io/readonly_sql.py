@@ -92,7 +92,8 @@ class TableFile:
     real: Path
 
 
-def _sql_string(text: str) -> str:
+def sql_string(text: str) -> str:
+    """`text` as a SQL string literal (quotes doubled)."""
     return "'" + text.replace("'", "''") + "'"
 
 
@@ -114,9 +115,9 @@ class ReadOnlyCatalog:
         self._con = duckdb.connect(":memory:")
         try:
             con = self._con
-            con.execute(f"SET temp_directory = {_sql_string(self._temp)}")
-            con.execute(f"SET memory_limit = {_sql_string(self.memory_limit)}")
-            con.execute(f"SET allowed_paths = [{', '.join(_sql_string(path) for path in self._files)}]")
+            con.execute(f"SET temp_directory = {sql_string(self._temp)}")
+            con.execute(f"SET memory_limit = {sql_string(self.memory_limit)}")
+            con.execute(f"SET allowed_paths = [{', '.join(sql_string(path) for path in self._files)}]")
             for setting in ("enable_external_access", "autoinstall_known_extensions", "autoload_known_extensions",
                             "python_enable_replacements"):
                 con.execute(f"SET {setting} = false")
@@ -261,7 +262,7 @@ def _create_view(con: duckdb.DuckDBPyConnection, name: str, files: list[str], sc
             # A registered Arrow table acts as a view; the connection keeps the (empty) table alive.
             con.register(name, schema.empty_table())
         return
-    paths = ", ".join(_sql_string(path) for path in files)
+    paths = ", ".join(sql_string(path) for path in files)
     source = f"SELECT * FROM read_parquet([{paths}], hive_partitioning = false, union_by_name = true)"
     try:
         con.execute(f'CREATE VIEW "{name}" AS {source}')
@@ -278,5 +279,5 @@ def _create_deferred_view(con: duckdb.DuckDBPyConnection, name: str, source: str
     a SELECT.)"""
     variable = f"agentr1_view_{name}"
     con.execute(f"SET VARIABLE {variable} = 'SELECT NULL AS unreadable'")
-    con.execute(f'CREATE VIEW "{name}" AS FROM query(getvariable({_sql_string(variable)}))')
-    con.execute(f"SET VARIABLE {variable} = {_sql_string(source)}")
+    con.execute(f'CREATE VIEW "{name}" AS FROM query(getvariable({sql_string(variable)}))')
+    con.execute(f"SET VARIABLE {variable} = {sql_string(source)}")

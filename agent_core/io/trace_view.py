@@ -16,19 +16,20 @@ from typing import Any
 import duckdb
 
 from agent_core.io.layout import DataRoot, RunLayout
-from agent_core.io.readonly_sql import QueryError, one_line
+from agent_core.io.readonly_sql import QueryError, one_line, sql_string
 from agent_core.io.run_catalog import open_run_catalog
 from agent_core.io.run_status import RunStatus, list_runs
 from agent_core.io.summaries import IterationSummary, eval_scores, iteration_summary
 
 EPISODE_COLUMNS = ("episode_id", "group_id", "prompt_id", "sample_idx", "steps", "tokens", "termination",
-                   "reward", "em")
+                   "answer", "reward", "em")
 EPISODE_LIMIT = 500  # rows an iteration's table shows; the filter narrows it
 _EPISODES_SQL = """
 WITH ep AS (
     SELECT episode_id, any_value(group_id) AS group_id, any_value(prompt_id) AS prompt_id,
            any_value(sample_idx) AS sample_idx, count(*) AS steps, sum(len(response_ids)) AS tokens,
-           max(CASE WHEN done THEN termination END) AS termination
+           max(CASE WHEN done THEN termination END) AS termination,
+           max(CASE WHEN done THEN json_extract_string(info, '$.answer') END) AS answer
     FROM steps GROUP BY episode_id),
 rw AS (SELECT episode_id, sum(reward) AS reward, max(em) AS em FROM rewards GROUP BY episode_id)
 SELECT ep.*, rw.reward, rw.em FROM ep LEFT JOIN rw USING (episode_id)"""
@@ -57,6 +58,7 @@ class EpisodeRow:
     steps: int
     tokens: int
     termination: str | None
+    answer: str | None  # the final answer, when the episode ended with one
     reward: float | None
     em: float | None
 
@@ -144,9 +146,14 @@ def iteration_episodes(run: RunLayout, iteration: int, where: str = "", order_by
     return [EpisodeRow(**row) for row in _select(run, [iteration], sql)]
 
 
+def prompt_episodes(run: RunLayout, iteration: int, prompt_id: str) -> list[EpisodeRow]:
+    """One prompt's episodes in one iteration (a group's samples), for the compare page."""
+    return iteration_episodes(run, iteration, f"prompt_id = {sql_string(prompt_id)}", "sample_idx")
+
+
 def episode_steps(run: RunLayout, iteration: int, episode_id: str, tokenizer) -> list[StepView]:
     """One episode's steps with their tokens, log-probs and advantages; ViewError when it has none."""
-    rows = _select(run, [iteration], _STEPS_SQL.format(episode=_quote(episode_id)))
+    rows = _select(run, [iteration], _STEPS_SQL.format(episode=sql_string(episode_id)))
     if not rows:
         raise ViewError(f"no episode {episode_id!r} in iteration {iteration} of {run.run_id}")
     return [_step_view(row, tokenizer) for row in rows]
@@ -165,16 +172,11 @@ def _step_view(row: dict[str, Any], tokenizer) -> StepView:
 
 def episode_sql(run_id: str, iteration: int, episode_id: str) -> str:
     """The `agentr1 query` that shows the episode's steps as this page does."""
-    quote = _quote
     return (f"SELECT s.step_idx, s.response_text, s.observation_text, r.reward, a.advantages FROM steps s "
             f"LEFT JOIN rewards r USING (run_id, iteration, episode_id, step_idx) "
             f"LEFT JOIN advantages a USING (run_id, iteration, episode_id, step_idx) "
-            f"WHERE s.run_id = {quote(run_id)} AND s.iteration = {iteration} AND s.episode_id = {quote(episode_id)} "
+            f"WHERE s.run_id = {sql_string(run_id)} AND s.iteration = {iteration} AND s.episode_id = {sql_string(episode_id)} "
             f"ORDER BY s.step_idx")
-
-
-def _quote(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
 
 
 def _select(run: RunLayout, iterations: list[int] | None, sql: str) -> list[dict[str, Any]]:

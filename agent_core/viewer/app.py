@@ -17,7 +17,7 @@ from agent_core.io.checkpoints import load_tokenizer
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.summaries import IterationSummary
 from agent_core.io.trace_view import (EPISODE_COLUMNS, ViewError, episode_sql, episode_steps, iteration_episodes,
-                                      run_iterations, run_table_rows, runs_overview)
+                                      prompt_episodes, run_iterations, run_table_rows, runs_overview)
 
 CURVES = ("mean_reward", "em", "dev_em", "steps_per_episode", "kl", "entropy", "clipfrac")
 
@@ -71,6 +71,21 @@ def create_app(data_root: Path) -> Flask:
         return render_template("episode.html", run_id=run_id, iteration=iteration, episode_id=episode_id,
                                steps=steps, scale=scale, sql=episode_sql(run_id, iteration, episode_id),
                                shade=_shade, fmt=_fmt)
+
+    @app.get("/compare")
+    def compare():
+        """One prompt's episodes in two iterations or two runs: ?prompt_id=P&a=RUN/K&b=RUN/K."""
+        prompt_id = request.args.get("prompt_id", "")
+        sides = []
+        for key in ("a", "b"):
+            run_id, _, k = request.args.get(key, "").rpartition("/")
+            if not (prompt_id and run_id and k.isdigit()):
+                return _error("compare needs ?prompt_id=P&a=RUN/ITERATION&b=RUN/ITERATION", 400)
+            try:
+                sides.append((run_id, int(k), prompt_episodes(_run(root, run_id), int(k), prompt_id)))
+            except ViewError as error:
+                return _error(str(error), 400)
+        return render_template("compare.html", prompt_id=prompt_id, sides=sides, fmt=_fmt)
 
     @app.get("/static/plotly.min.js")
     def plotly_js():
