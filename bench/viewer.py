@@ -35,10 +35,12 @@ def arguments(argv: list[str] | None):
     parser.add_argument("--config", default="demo", help="the run's config (a shipped name or a file)")
     parser.add_argument("--runs", type=int, default=50, help="run folders under the data root (copies of the one trained)")
     parser.add_argument("--repeats", type=int, default=5, help="timed GETs per page (median used)")
+    parser.add_argument("--iterations", type=int, default=None, help="the run's iterations (default: the config's)")
     return parse_args(parser, argv, QUICK)
 
 
-def build_root(root: Path, config: str, runs: int, progress: Progress) -> tuple[str, int, str]:
+def build_root(root: Path, config: str, runs: int, progress: Progress,
+               iterations: int | None = None) -> tuple[str, int, str]:
     """Train one run and copy it; (run_id, last iteration, its episode with the most tokens)."""
     from flows.environment import configure_environment
 
@@ -49,7 +51,8 @@ def build_root(root: Path, config: str, runs: int, progress: Progress) -> tuple[
     from flows.train import train
 
     progress(f"training one {config} run (the viewer reads its tables)")
-    train(load_config(resolve_config(config), [f"data_root={root}", "run_id=bench-run"]))
+    overrides = [f"data_root={root}", "run_id=bench-run"] + ([f"iterations={iterations}"] if iterations else [])
+    train(load_config(resolve_config(config), overrides))
     for k in range(1, runs):
         shutil.copytree(root / "runs/bench-run", root / f"runs/bench-run-{k:02d}", copy_function=os.link)
     last = max(int(p.name.split("=")[1]) for p in (root / "runs/bench-run").glob("iteration=*"))
@@ -78,7 +81,7 @@ def measure(args, progress: Progress) -> list[Measurement]:
 
     with tempfile.TemporaryDirectory(prefix="bench-viewer-") as tmp:
         root = Path(tmp)
-        run_id, last, episode = build_root(root, args.config, args.runs, progress)
+        run_id, last, episode = build_root(root, args.config, args.runs, progress, args.iterations)
         server = make_server("127.0.0.1", 0, create_app(root), threaded=True)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     measurements = measure(args, progress)
     config = {k: v for k, v in vars(args).items() if k not in ("results_dir",)}
     write_result(NAME, TITLE, measurements, seconds=progress.elapsed, config=config, results_dir=args.results_dir,
-                 argv=argv, notes=f"config {args.config}; {args.runs} runs under the data root; median of "
+                 argv=argv, notes=f"config {args.config}, iterations {args.iterations or 'as configured'}; {args.runs} runs under the data root; median of "
                                   f"{args.repeats} GETs per page after one warm-up.")
     return 0
 
