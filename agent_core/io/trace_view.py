@@ -101,10 +101,10 @@ class ViewError(Exception):
 def runs_overview(root: DataRoot) -> tuple[list[RunOverview], list[str]]:
     """Every run with its dev EM per iteration; problems as `agentr1 runs` reports them."""
     statuses, problems = list_runs(root)
-    files = {(status.run_id, k): root.run(status.run_id).dev_eval_uri(k)
-             for status in statuses for k in root.run(status.run_id).iterations()}
+    iterations = {status.run_id: root.run(status.run_id).iterations() for status in statuses}
+    files = {(run_id, k): root.run(run_id).dev_eval_uri(k) for run_id, done in iterations.items() for k in done}
     em = _dev_ems({key: uri for key, uri in files.items() if Path(uri).is_file()})
-    out = [RunOverview(status, tuple(em.get((status.run_id, k), math.nan) for k in root.run(status.run_id).iterations()))
+    out = [RunOverview(status, tuple(em.get((status.run_id, k), math.nan) for k in iterations[status.run_id]))
            for status in statuses]
     return out, problems
 
