@@ -8,9 +8,10 @@ import random
 from pathlib import Path
 
 from agent_core.config import RewardConfig, RolloutConfig, WarmStartConfig
-from agent_core.data.oracle import OracleEngine, rag_demonstrations
+from agent_core.data.oracle import TASK_ENV, OracleEngine, check_oracle_solved, rag_demonstrations
 from agent_core.devices import resolve_device
 from agent_core.drivers import roll_out
+from agent_core.envs.registry import env_tool_format
 from agent_core.io.checkpoints import load_policy, load_tokenizer, save_policy
 from agent_core.io.layout import RunLayout
 from agent_core.io.manifests import StageRecord
@@ -48,7 +49,7 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     prompts = list(chosen)
     documents = read_corpus(dataset.corpus_uri)
     tokenizer = load_tokenizer(Path(policy_dir))
-    tool_format = rollout.env_kwargs.get("tool_format", "tag")
+    tool_format = env_tool_format(rollout.env or TASK_ENV, rollout.env_kwargs)
     lazy = random.Random(f"warm-start-lazy:{seed}").sample(chosen, round(cfg.lazy_fraction * len(chosen)))
     engine = OracleEngine(tokenizer, prompts, tool_format=tool_format,
                           lazy_prompt_ids=frozenset(p.prompt_id for p in lazy))
@@ -64,6 +65,7 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     labelled = label_steps_table(steps_uri, answers, reward, run.run_id, 0, rewards_uri)
     record.commit({"steps": steps_uri, "rewards": rewards_uri})
     finals = [r.em for r in labelled if r.em is not None]
+    check_oracle_solved(sum(finals), len(chosen) - len(lazy), rollout.env or TASK_ENV)
     log.info("warm start: the oracle solved %d of %d episodes (%d tool episodes in the %s format, %d of them lazy; "
              "%d naive_rag answers; %d steps)", sum(finals), len(finals), len(chosen), tool_format, len(lazy), len(rag),
              len(records))

@@ -174,3 +174,24 @@ def test_the_fixes_pass(fix):
 def test_a_misspelt_tool_is_told_once_not_as_a_missing_search_too():
     message = _config_error({"rollout": {"env": "tool_env", "env_kwargs": {"tools": ["serch"]}}})
     assert "unknown tool 'serch'" in message and "scripted oracle" not in message
+
+
+def test_an_agent_program_is_warm_started_by_the_oracle_in_the_gateways_format():
+    # its tools are declared by the program per request: the config cannot tell, the run checks (below)
+    from agent_core.envs.registry import env_tool_format
+    from agent_core.validation import build_config
+
+    config = build_config({"rollout": {"env": "agent_program", "env_kwargs": {"command": ["python", "agent.py"]}}})
+    assert env_tool_format(config.rollout.env, config.rollout.env_kwargs) == "hermes"  # the gateway's, always
+    assert env_tool_format("search_qa", {}) == "tag"  # the argument's default
+    assert env_tool_format("tool_env", {}) == "hermes"
+    assert env_tool_format("search_qa", {"tool_format": "hermes"}) == "hermes"
+
+
+def test_an_oracle_that_solved_none_of_its_ideal_episodes_fails_the_warm_start():
+    from agent_core.data.oracle import check_oracle_solved
+
+    with pytest.raises(ValueError, match="solved none of its 24 ideal episodes in env 'agent_program'"):
+        check_oracle_solved(0, 24, "agent_program")
+    check_oracle_solved(1, 24, "agent_program")
+    check_oracle_solved(0, 0, "agent_program")  # every episode lazy: none is expected to solve

@@ -18,7 +18,7 @@ from agent_core.config_errors import Problem
 from agent_core.data.naive_rag import naive_rag_messages, question_text
 from agent_core.envs.builtin_tools import SearchTool
 from agent_core.envs.formats import ParsedCall, ToolCallFormat, build_format
-from agent_core.envs.registry import check_env_spec, env_tool_names
+from agent_core.envs.registry import check_env_spec, env_tool_names, env_traits
 from agent_core.envs.search import Bm25Index
 from agent_core.rollout.chat import encode_conversation, eos_token_ids
 from agent_core.rollout.engine import Generation, SamplingParams
@@ -37,7 +37,7 @@ _SEARCH_SPEC = {
 
 
 ORACLE_TOOLS = (SearchTool.name,)  # the tools the oracle's episodes call
-_TASK_ENV = "search_qa"  # the env every prompt of the synthetic task names (agent_core/data/synthetic.py)
+TASK_ENV = "search_qa"  # the env every prompt of the synthetic task names (agent_core/data/synthetic.py)
 _OTHER_FIXES = ("turn the warm start off (--set warm_start.enabled=false), or imitate the episodes of an earlier "
                 "run instead of the oracle's (--set warm_start.source=steps --set warm_start.steps_uri=<its steps.parquet>)")
 
@@ -92,12 +92,14 @@ def oracle_config_problems(config: PipelineConfig) -> list[Problem]:
     if config.data.source != "synthetic":
         return [Problem("data.source", f"the warm start's scripted oracle solves only the built-in synthetic task "
                         f"(its plans come from the generated world), not {config.data.source!r}; {_OTHER_FIXES}")]
-    env = rollout.env or _TASK_ENV
+    env = rollout.env or TASK_ENV
     try:
         check_env_spec(env, rollout.env_kwargs)
     except ValueError:
         return []
     tools = env_tool_names(env, rollout.env_kwargs)
+    if tools is None and env_traits(env).program_tools:
+        return []  # the program declares its tools per request: oracle_episodes checks that its episodes solve
     needed = ", ".join(tool for tool in ORACLE_TOOLS if tools is None or tool not in tools)
     if not needed:
         return []
@@ -108,6 +110,17 @@ def oracle_config_problems(config: PipelineConfig) -> list[Problem]:
     return [Problem("rollout.env_kwargs.tools", f"the warm start's scripted oracle calls tool(s) {needed}, which env "
                     f"{env!r} does not have (its tools: {', '.join(tools) or '(none)'}): the policy would learn calls "
                     f"the env cannot run. Add {needed} to rollout.env_kwargs.tools, or {_OTHER_FIXES}")]
+
+
+def check_oracle_solved(solved: int, ideal_episodes: int, env: str) -> None:
+    """ValueError if the oracle played ideal episodes and solved none: its calls did not reach a tool
+    that answers them (an agent program without a `search` tool taking `query`, or one that does
+    not put the answer in `<answer>` tags), so the warm start would imitate calls that fail."""
+    if ideal_episodes and not solved:
+        raise ValueError(
+            f"the warm start's scripted oracle solved none of its {ideal_episodes} ideal episodes in env {env!r}: "
+            f"its `search` calls (argument `query`) or its `<answer>` replies did not work there. An agent program "
+            f"must offer that tool and return the text of the last <answer> tags; otherwise {_OTHER_FIXES}")
 
 
 def question_of(prompt: Prompt) -> str:

@@ -41,14 +41,38 @@ LOOP_DRIVER = "agent_loop"  # the rollout driver of an env registered without tr
 class EnvTraits:
     """What a rollout must know of an env before building it: `driver`, the rollout driver its
     episodes need (a name in agent_core/drivers DRIVERS, checked at config load).
-    `@ENVS.register(name, traits=EnvTraits(driver=...))`."""
+    `@ENVS.register(name, traits=EnvTraits(driver=...))`. tool_format: the tool-call format the env
+    always speaks, whatever its kwargs (None: its `tool_format` argument, or that argument's default).
+    program_tools: its tools are declared by the agent program in each request, known only at run time."""
 
     driver: str = LOOP_DRIVER
+    tool_format: str | None = None
+    program_tools: bool = False
 
 
 def env_driver(name: str) -> str:
     """The rollout driver env `name` declared (UnknownNameError for an unknown env)."""
-    return ENVS.traits(name, EnvTraits()).driver
+    return env_traits(name).driver
+
+
+def env_traits(name: str) -> EnvTraits:
+    """What env `name` declared when registered (UnknownNameError for an unknown env)."""
+    return ENVS.traits(name, EnvTraits())
+
+
+def env_tool_format(name: str, kwargs: Mapping[str, Any]) -> str:
+    """The tool-call format env `name` speaks with `kwargs`: the format it always speaks, else its
+    `tool_format` argument or that argument's default, else "tag"."""
+    fixed = env_traits(name).tool_format
+    if fixed is not None:
+        return fixed
+    if "tool_format" in kwargs:
+        return str(kwargs["tool_format"])
+    if "tool_format" in env_kwarg_names(name):
+        default = inspect.signature(ENVS.get(name)).parameters["tool_format"].default
+        if isinstance(default, str):
+            return default
+    return "tag"
 
 
 @ENVS.register("tool_env")
@@ -87,7 +111,7 @@ def _make_search_qa(resources: EnvResources, *, top_k: int = 3, tool_format: str
                    instructions=instructions)
 
 
-@ENVS.register(ENV_NAME, traits=EnvTraits(driver=ENV_NAME))
+@ENVS.register(ENV_NAME, traits=EnvTraits(driver=ENV_NAME, tool_format="hermes", program_tools=True))
 def _make_agent_program(resources: EnvResources, *, command: Sequence[str] = (), timeout_s: float = 60.0,
                         max_parallel: int = 4, max_output_bytes: int = 1_000_000) -> AgentEnv:
     """Your own agent program, run once per episode against the gateway (agent_core/gateway,
