@@ -268,3 +268,37 @@ def test_compare_shows_one_prompts_episodes_of_two_runs_side_by_side(data_root, 
         _, iteration_page = served.get("/run/view-run/iteration/1")
         assert f"/compare?prompt_id={urllib.parse.quote(prompt)}&a=view-run/0&b=view-run/1" in iteration_page
         assert served.get("/compare?prompt_id=x&a=view-run")[0] == 400
+
+
+def test_the_runs_page_totals_each_runs_alerts_and_cost(data_root, tmp_path):
+    from agent_core.io.layout import DataRoot
+    from agent_core.io.trace_view import runs_overview
+
+    root = tmp_path / "root"
+    shutil.copytree(data_root, root, ignore=shutil.ignore_patterns(".query-*", "*.lock"))
+    shutil.copytree(root / "runs/view-run", root / "runs/priced-run")
+    iteration = root / "runs/priced-run/iteration=1"
+    with duckdb.connect() as con:  # a price on one iteration's stages, and two of its checks in alert
+        for table, change in (("ledger", "* REPLACE (2.0 AS price_per_hour, 'USD' AS currency)"),
+                              ("health", "* REPLACE (CASE WHEN check_name IN (SELECT check_name FROM t ORDER BY "
+                                         "check_name LIMIT 2) THEN 'alert' ELSE status END AS status)")):
+            path = iteration / f"{table}.parquet"
+            con.execute(f"CREATE OR REPLACE TABLE t AS SELECT * FROM read_parquet('{path}')")
+            con.execute(f"COPY (SELECT {change} FROM t) TO '{path}' (FORMAT parquet)")
+        runs = f"{root}/runs/*/iteration=*/"
+        expected = dict(con.execute(
+            f"SELECT split_part(filename, '/runs/', 2)[:position('/' IN split_part(filename, '/runs/', 2)) - 1], "
+            f"count(*) FILTER (WHERE status = 'alert') FROM read_parquet('{runs}health.parquet', filename = true) "
+            "GROUP BY 1").fetchall())
+        wall, cost = con.execute(f"SELECT sum(wall_seconds), sum(device_seconds / 3600 * price_per_hour) FROM "
+                                 f"read_parquet('{root}/runs/priced-run/iteration=*/ledger.parquet')").fetchone()
+    overview = {r.status.run_id: r for r in runs_overview(DataRoot(root))[0]}
+    assert overview["priced-run"].alerts == expected["priced-run"] >= 2
+    assert overview["view-run"].alerts == expected["view-run"]
+    assert overview["priced-run"].cost == pytest.approx(cost) and overview["priced-run"].currency == "USD"
+    assert wall > 0 and overview["priced-run"].wall_seconds == pytest.approx(wall)
+    assert overview["view-run"].cost is None  # no price: the page shows its minutes
+    with _Served(root) as served:
+        status, page = served.get("/")
+    assert status == 200 and f"{cost:.2f} USD" in page
+    assert f"{overview['view-run'].wall_seconds / 60:.1f} min" in page

@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import duckdb
 
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.readonly_sql import QueryError, one_line, sql_string
-from agent_core.io.run_catalog import open_run_catalog
+from agent_core.io.ledger import ledger_uri
+from agent_core.io.run_catalog import health_uri, open_run_catalog
 from agent_core.io.run_status import RunStatus, list_runs
 from agent_core.io.summaries import IterationSummary, eval_scores, iteration_summary
 
@@ -47,6 +48,10 @@ WHERE s.episode_id = {episode} ORDER BY s.step_idx"""
 class RunOverview:
     status: RunStatus
     dev_em: tuple[float, ...]  # per done iteration (nan: not evaluated), for the sparkline
+    alerts: int | None = None  # health checks in alert, over every iteration (None: no health table read)
+    wall_seconds: float | None = None  # the ledger's stages, summed (None: no ledger read)
+    cost: float | None = None  # device hours x price_per_hour, where a price was set (None: no price)
+    currency: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,9 +109,39 @@ def runs_overview(root: DataRoot) -> tuple[list[RunOverview], list[str]]:
     iterations = {status.run_id: root.run(status.run_id).iterations() for status in statuses}
     files = {(run_id, k): root.run(run_id).dev_eval_uri(k) for run_id, done in iterations.items() for k in done}
     em = _dev_ems({key: uri for key, uri in files.items() if Path(uri).is_file()})
-    out = [RunOverview(status, tuple(em.get((status.run_id, k), math.nan) for k in iterations[status.run_id]))
-           for status in statuses]
+    alerts = _per_run(root, iterations, health_uri, "count(*) FILTER (WHERE status = 'alert')")
+    costs = _per_run(root, iterations, ledger_uri, "sum(wall_seconds), sum(device_seconds / 3600 * price_per_hour), "
+                     "any_value(currency) FILTER (WHERE price_per_hour IS NOT NULL)")
+    out = []
+    for status in statuses:
+        wall, cost, currency = costs.get(status.run_id, (None, None, None))
+        out.append(RunOverview(status, tuple(em.get((status.run_id, k), math.nan) for k in iterations[status.run_id]),
+                               alerts=(alerts.get(status.run_id) or (None,))[0], wall_seconds=wall, cost=cost,
+                               currency=currency or ""))
     return out, problems
+
+
+def _per_run(root: DataRoot, iterations: dict[str, list[int]], table_uri: Callable[[RunLayout, int], str],
+             aggregates: str) -> dict[str, tuple]:
+    """`aggregates` of one table over every iteration of each run, in one query; {} for the runs
+    with no such file, and for all of them when a file is damaged (the runs page still lists them)."""
+    run_of = {}
+    for run_id, done in iterations.items():
+        for k in {0, *done}:
+            uri = Path(table_uri(root.run(run_id), k))
+            if uri.is_file():
+                run_of[str(uri)] = run_id
+    if not run_of:
+        return {}
+    files = list(run_of)
+    try:
+        with duckdb.connect() as con:
+            rows = con.execute(f"SELECT r.run_id, {aggregates} FROM read_parquet(?, filename = true, union_by_name = "
+                               "true) JOIN (SELECT unnest(?) AS filename, unnest(?) AS run_id) AS r USING (filename) "
+                               "GROUP BY r.run_id", [files, files, [run_of[f] for f in files]]).fetchall()
+    except (duckdb.Error, OSError):
+        return {}
+    return {run_id: tuple(values) for run_id, *values in rows}
 
 
 def _dev_ems(files: dict[tuple[str, int], str]) -> dict[tuple[str, int], float]:

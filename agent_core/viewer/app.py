@@ -17,7 +17,7 @@ from agent_core.io.checkpoints import load_tokenizer
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.summaries import IterationSummary
 from agent_core.io.trace_view import (EPISODE_COLUMNS, ViewError, episode_sql, episode_steps, iteration_episodes,
-                                      prompt_episodes, run_iterations, run_table_rows, runs_overview)
+                                      prompt_episodes, run_iterations, run_table_rows, runs_overview, RunOverview)
 
 CURVES = ("mean_reward", "em", "dev_em", "steps_per_episode", "kl", "entropy", "clipfrac")
 
@@ -32,7 +32,7 @@ def create_app(data_root: Path) -> Flask:
     def runs() -> str:
         overview, problems = runs_overview(root)
         return render_template("runs.html", runs=overview, problems=problems, data_root=str(root.path),
-                               fmt=_fmt)
+                               fmt=_fmt, money=_money)
 
     @app.get("/run/<run_id>")
     def run(run_id: str):
@@ -144,6 +144,15 @@ def _shade(value: float | None, scale: float) -> str:
         return "transparent"
     alpha = min(1.0, abs(value) / scale) * 0.6 + 0.1
     return f"rgba(0,160,0,{alpha:.2f})" if value >= 0 else f"rgba(220,0,0,{alpha:.2f})"
+
+
+def _money(run: RunOverview) -> str:
+    """The run's cost where the ledger has a price, else its stages' wall time."""
+    if run.cost is not None:
+        return f"{run.cost:.2f} {run.currency}".strip()
+    if run.wall_seconds is not None:
+        return f"{run.wall_seconds / 60:.1f} min"
+    return "?"
 
 
 def _fmt(value: Any) -> str:
