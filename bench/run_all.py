@@ -1,31 +1,11 @@
 """Run every benchmark, each in its own process, then write the benchmarks page (`make bench`).
 
-The list is bench.report.BENCHMARKS (rollout, gateway, training, overhead, scaling, trl_compare, memory,
-scale_out, viewer);
-a script that is not there (or has no main()) is reported and skipped. Each script runs as
-`python -m bench.<name> [--quick]` in a fresh process (its own imports, memory peak, Prefect
-state) with $BENCH_RESULTS_DIR pointing at the results folder; a script's old result is removed
-before it runs, so a failed script shows as missing rather than with stale numbers.
-
-Full run: results in bench/results/, page docs/benchmarks.md. Every script runs at its own full
-size (its defaults), plus FULL_RUN_ARGS: the rollout benchmark measures both engines
-(`--engine all`); training adds SmolLM2 (`--model-dir`); trl_compare measures both engines and
-both precisions by default (SmolLM2 and the tiny model, 3 iterations each); memory runs the
-issue's SmolLM2 iteration with the vLLM engine (default and low-memory settings) and the
-single-turn peak against TRL. It needs `make vllm trl smollm2 ray` (`make bench` builds them) and
-takes about 45 minutes on 2 quiet cores (measured 2026-11-26 script by script): trl_compare ~24
-min, memory ~9, rollout ~4, training ~3, scale_out ~2.5, overhead ~1.5, scaling ~0.5. A measurement
-whose engine or virtualenv is missing is recorded as skipped, not failed. `--args "NAME=ARGS"`
-(repeatable) appends arguments to one script's command, e.g. `--args "trl_compare=--iterations
-2"` (about 10 minutes less) or `--args "memory=--only iteration"`; from make: `make bench
-BENCH_ARGS='--args "trl_compare=--iterations 2"'`.
-
---quick (`make bench BENCH_ARGS=--quick`): tiny sizes, results and page in a temporary folder
-(printed), so a smoke run never overwrites the measured page; 5-8 minutes on 2 cores, and
-every script writes every row a full run writes (QUICK_RUN_ARGS: rollout measures both engines;
-rollout, trl_compare and memory each start a tiny vLLM server for their vllm rows, ~1 minute
-each; scale_out records its 2-replica vLLM sync as skipped under --quick). Exit status 1 if any
-script failed.
+Each script of bench.report.BENCHMARKS runs as `python -m bench.<name> [--quick]` in a fresh process
+with $BENCH_RESULTS_DIR pointing at the results folder; its old result is removed first, so a failed
+script shows as missing rather than with stale numbers, and one that is not there is reported and
+skipped. A full run adds FULL_RUN_ARGS (both engines, SmolLM2, ...) and writes bench/results/ and
+docs/benchmarks.md; --quick runs tiny sizes into a temporary folder. `--args "NAME=ARGS"` appends
+arguments to one script. Sizes, durations and what each needs: README, "Benchmarks".
 """
 
 from __future__ import annotations

@@ -115,3 +115,18 @@ def start_temporary_server() -> None:
         server.start()
     finally:
         server_module.subprocess = spawn
+
+
+def name_flow_run(name: str) -> None:
+    """Rename the current Prefect flow run (the run id, so the viewer can link a run to its flow
+    runs in Prefect's UI); outside a flow run, or when the API refuses, nothing happens."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if not flow_run.id or flow_run.name == name:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, name=name)
+    except Exception as error:  # noqa: BLE001 - a name is a convenience; the run goes on
+        print(f"agentr1: could not name the flow run {name!r} in Prefect: {error}", file=sys.stderr)

@@ -19,7 +19,7 @@ from agent_core.io.layout import DataRoot, RunLayout, new_run_id
 from agent_core.io.summaries import IterationSummary, eval_scores
 from agent_core.run_resources import RunResources
 from agent_core.validation import check_names, check_runnable
-from flows.environment import quiet_progress_bars
+from flows.environment import name_flow_run, quiet_progress_bars
 from tasks.audit import audit_iteration
 from tasks.compute_advantages import compute_advantages
 from tasks.evaluate import dev_eval, run_eval_settings
@@ -85,6 +85,7 @@ def train(config: PipelineConfig) -> TrainResult:
     check_names(config)
     if config.run_id is None:  # e.g. a scheduled deployment: every run gets its own id
         config = config.model_copy(update={"run_id": new_run_id()})
+    name_flow_run(config.run_id)  # Prefect's UI lists the run's flow runs under its id (`agentr1 view` links there)
     # a missing checkpoint or engine fails before the run folder exists (unless the run copied its policy already)
     check_runnable(config, policy_source=not DataRoot(Path(config.data_root)).run(config.run_id).initial_policy_dir.exists())
     # The run's device, engines, cluster, writer thread, resident policy and search indexes: placed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from agent_core.audit.report import health_section
 from agent_core.config import PipelineConfig
 from agent_core.io.atomic import write_text_atomic
+from agent_core.io.episode_traces import log_episode_traces
 from agent_core.io.layout import RUN_TABLES, DataRoot, RunLayout
 from agent_core.io.manifests import StageRecord, read_manifest
 from agent_core.io.summaries import IterationSummary, iteration_summary
@@ -37,6 +39,7 @@ class TrackingRef:
     algorithm: str = ""  # the advantage estimator, a tag of every registered version
     register_every: int = 1  # tracking.register_every
     iterations: int = 0  # the run's iterations, the last of which is always registered (0: unknown)
+    traces: int = 0  # tracking.traces: episodes per iteration logged as MLflow traces
 
 
 def _tracker(ref: TrackingRef) -> Tracker:
@@ -55,7 +58,7 @@ def start_tracking(run: RunLayout, config: PipelineConfig) -> TrackingRef:
     stage_logger("start_tracking").info("MLflow run %s in experiment %r (%s)", mlflow_run_id, config.tracking.experiment, uri)
     return TrackingRef(uri, artifacts, config.tracking.experiment, mlflow_run_id,
                        config.tracking.registered_model_name(), config.algorithm.estimator,
-                       config.tracking.register_every, config.iterations)
+                       config.tracking.register_every, config.iterations, config.tracking.traces)
 
 
 def _registration_due(ref: TrackingRef, iteration: int) -> bool:
@@ -103,6 +106,12 @@ def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_d
         rollout = read_manifest(run.manifest_path("rollout", iteration))
         if rollout is not None and rollout.metrics.get("seconds"):
             metrics["rollout_tokens_per_s"] = summary.generated_tokens / rollout.metrics["seconds"]
+        if ref.traces:
+            started = time.perf_counter()
+            traced = log_episode_traces(tracker, ref.mlflow_run_id, run, iteration, ref.traces)
+            metrics["traces_seconds"] = time.perf_counter() - started
+            stage_logger("log_iteration").info("iteration %d: %d episodes logged as MLflow traces in %.2fs",
+                                               iteration, traced, metrics["traces_seconds"])
         tracker.log_metrics(ref.mlflow_run_id, metrics, step=iteration)
     if _registers(ref, tracker, model_name, iteration, summary.dev_em):
         version = tracker.register_checkpoint(ref.mlflow_run_id, Path(checkpoint_dir), model_name, iteration,

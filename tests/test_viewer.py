@@ -25,6 +25,7 @@ from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 BOUND_S = 60.0
+TRACES = 3  # episodes per iteration logged as MLflow traces by the fixture's run
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -34,7 +35,8 @@ def data_root(tmp_path_factory) -> Path:
     from flows.train import train
 
     root = tmp_path_factory.mktemp("view")
-    train(load_config(REPO_ROOT / "configs" / "tiny.yaml", [f"data_root={root}", "run_id=view-run", "iterations=2"]))
+    train(load_config(REPO_ROOT / "configs" / "tiny.yaml", [f"data_root={root}", "run_id=view-run", "iterations=2",
+                                                            f"tracking.traces={TRACES}"]))
     return root
 
 
@@ -56,12 +58,12 @@ def masked_root(data_root, tmp_path_factory) -> Path:
 class _Served:
     """The viewer's own server (flows/view_command.py's make_server) on a free port, in a thread."""
 
-    def __init__(self, root: Path, host: str = "127.0.0.1"):
+    def __init__(self, root: Path, host: str = "127.0.0.1", uis=None):
         from werkzeug.serving import make_server
 
         from agent_core.viewer.app import create_app
 
-        self.server = make_server(host, 0, create_app(root), threaded=True)
+        self.server = make_server(host, 0, create_app(root, uis), threaded=True)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -75,12 +77,21 @@ class _Served:
         self.thread.join(BOUND_S)
 
     def get(self, path: str) -> tuple[int, str]:
+        status, _, body = self.fetch(path)
+        return status, body
+
+    def head(self, path: str) -> tuple[int, dict[str, str]]:
+        """The status and headers of a GET (a redirect is not followed)."""
+        status, headers, _ = self.fetch(path)
+        return status, headers
+
+    def fetch(self, path: str) -> tuple[int, dict[str, str], str]:
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=BOUND_S)
         connection.request("GET", path)
         response = connection.getresponse()
         body = response.read().decode()
         connection.close()
-        return response.status, body
+        return response.status, dict(response.getheaders()), body
 
 
 def _steps(root: Path, episode_id: str) -> list[tuple]:
@@ -302,3 +313,34 @@ def test_the_runs_page_totals_each_runs_alerts_and_cost(data_root, tmp_path):
         status, page = served.get("/")
     assert status == 200 and f"{cost:.2f} USD" in page
     assert f"{overview['view-run'].wall_seconds / 60:.1f} min" in page
+
+
+def test_sampled_episodes_are_mlflow_traces_carrying_the_tables_rewards_and_advantages(data_root):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{data_root}/mlflow.db")
+    experiment = client.get_experiment_by_name("agentr1").experiment_id
+    (run,) = client.search_runs([experiment], "tags.`agentr1.run_id` = 'view-run'")
+    traces = client.search_traces(locations=[experiment], run_id=run.info.run_id, max_results=100)
+    by_iteration: dict[int, list] = {}
+    for trace in traces:
+        root = next(span for span in trace.data.spans if span.parent_id is None)
+        by_iteration.setdefault(root.attributes["iteration"], []).append((root, trace.data.spans))
+    assert sorted(by_iteration) == [0, 1] and all(len(v) == TRACES for v in by_iteration.values())
+    with duckdb.connect() as con:
+        for k, logged in by_iteration.items():
+            tables = {t: str(data_root / f"runs/view-run/iteration={k}/{t}.parquet") for t in ("rewards", "advantages")}
+            rewards = dict(con.execute("SELECT episode_id, sum(reward) FROM read_parquet(?) GROUP BY 1",
+                                       [tables["rewards"]]).fetchall())
+            shown = {root.attributes["episode_id"]: root.attributes["reward"] for root, _ in logged}
+            assert shown == pytest.approx({e: rewards[e] for e in shown})
+            assert min(rewards.values()) in shown.values() and max(rewards.values()) in shown.values()  # the spread
+            for root, spans in logged:
+                steps = sorted((s for s in spans if s.parent_id == root.span_id), key=lambda s: s.name)
+                expected = con.execute(
+                    "SELECT r.step_idx, r.reward, list_avg(a.advantages) FROM read_parquet(?) r LEFT JOIN "
+                    "read_parquet(?) a USING (episode_id, step_idx) WHERE r.episode_id = ? ORDER BY r.step_idx",
+                    [tables["rewards"], tables["advantages"], root.attributes["episode_id"]]).fetchall()
+                assert [s.name for s in steps] == [f"step {i}" for i, _, _ in expected]
+                assert [s.attributes["reward"] for s in steps] == pytest.approx([r for _, r, _ in expected])
+                assert [s.attributes.get("advantage") for s in steps] == pytest.approx([a for _, _, a in expected])

@@ -21,6 +21,9 @@ class TrackingConfig(Section):
     register_every: int = Field(
         1, ge=1, description="register every N-th iteration's checkpoint as a model version, and always the last one "
         "and any whose dev EM reaches the model's best (so `best` is the same checkpoint as with 1)")
+    traces: int = Field(
+        0, ge=0, le=100, description="episodes per iteration logged as MLflow traces (MLflow's Traces tab: a span per "
+        "step with its action, observation, reward and advantage), spread from the worst reward to the best; 0: none")
 
     def registered_model_name(self) -> str:
         return self.model_name or f"{self.experiment}-policy"

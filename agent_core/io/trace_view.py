@@ -35,13 +35,13 @@ WITH ep AS (
 rw AS (SELECT episode_id, sum(reward) AS reward, max(em) AS em FROM rewards GROUP BY episode_id)
 SELECT ep.*, rw.reward, rw.em FROM ep LEFT JOIN rw USING (episode_id)"""
 _STEPS_SQL = """
-SELECT s.step_idx, s.prompt_ids, s.response_ids, s.response_logprobs, s.response_text, s.tool_calls,
+SELECT s.episode_id, s.step_idx, s.prompt_ids, s.response_ids, s.response_logprobs, s.response_text, s.tool_calls,
        s.parse_error, s.observation_text, s.termination, s.finish_reason, s.history, s.agent,
        r.reward, r.process_reward, r.outcome_reward, a.advantages, a.obs_advantages
 FROM steps s
 LEFT JOIN rewards r USING (episode_id, step_idx)
 LEFT JOIN advantages a USING (episode_id, step_idx)
-WHERE s.episode_id = {episode} ORDER BY s.step_idx"""
+WHERE {where} ORDER BY s.episode_id, s.step_idx"""
 
 
 @dataclass(frozen=True)
@@ -203,10 +203,44 @@ def prompt_episodes(run: RunLayout, iteration: int, prompt_id: str) -> list[Epis
 
 def episode_steps(run: RunLayout, iteration: int, episode_id: str, tokenizer) -> list[StepView]:
     """One episode's steps with their tokens, log-probs and advantages; ViewError when it has none."""
-    rows = _select(run, [iteration], _STEPS_SQL.format(episode=sql_string(episode_id)))
+    rows = _select(run, [iteration], _STEPS_SQL.format(where=f"s.episode_id = {sql_string(episode_id)}"))
     if not rows:
         raise ViewError(f"no episode {episode_id!r} in iteration {iteration} of {run.run_id}")
     return [_step_view(row, tokenizer) for row in rows]
+
+
+@dataclass(frozen=True)
+class StepText:
+    """A step as text (an MLflow trace's span): no tokens, so no tokenizer to read it."""
+
+    step_idx: int
+    response_text: str
+    tool_calls: str
+    parse_error: str | None
+    observation: str
+    termination: str | None
+    tokens: int
+    mean_logprob: float | None
+    mean_advantage: float | None  # over the action's tokens; None: not trained
+    reward: float | None
+    process_reward: float | None
+    outcome_reward: float | None
+
+
+def episodes_as_text(run: RunLayout, iteration: int, episode_ids: list[str]) -> dict[str, list[StepText]]:
+    """The steps of `episode_ids` in one iteration, in order, in one query."""
+    if not episode_ids:
+        return {}
+    sql = _STEPS_SQL.format(where=f"s.episode_id IN ({', '.join(sql_string(e) for e in episode_ids)})")
+    out: dict[str, list[StepText]] = {}
+    for row in _select(run, [iteration], sql):
+        ids_, logprobs, advantages = row["response_ids"], row["response_logprobs"], row["advantages"]
+        out.setdefault(row["episode_id"], []).append(StepText(
+            row["step_idx"], row["response_text"], row["tool_calls"], row["parse_error"], row["observation_text"],
+            row["termination"], len(ids_), sum(logprobs) / len(logprobs) if logprobs else None,
+            sum(advantages) / len(advantages) if advantages else None, row["reward"], row["process_reward"],
+            row["outcome_reward"]))
+    return out
 
 
 def _step_view(row: dict[str, Any], tokenizer) -> StepView:

@@ -11,28 +11,44 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from flask import Flask, abort, render_template, request, send_file
+from flask import Flask, abort, redirect, render_template, request, send_file
 
 from agent_core.io.checkpoints import load_tokenizer
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.summaries import IterationSummary
+from agent_core.io.ui_links import ExternalUIs
 from agent_core.io.trace_view import (EPISODE_COLUMNS, ViewError, episode_sql, episode_steps, iteration_episodes,
                                       prompt_episodes, run_iterations, run_table_rows, runs_overview, RunOverview)
 
 CURVES = ("mean_reward", "em", "dev_em", "steps_per_episode", "kl", "entropy", "clipfrac")
 
 
-def create_app(data_root: Path) -> Flask:
-    """The viewer over `data_root` (nothing is read until a page is asked for)."""
+def create_app(data_root: Path, uis: ExternalUIs | None = None) -> Flask:
+    """The viewer over `data_root` (nothing is read until a page is asked for); `uis`: MLflow's and
+    Prefect's UIs, linked from the runs page while they answer."""
     app = Flask(__name__)
     root = DataRoot(Path(data_root))
     tokenizers = _Tokenizers()
+    uis = uis or ExternalUIs()
 
     @app.get("/")
     def runs() -> str:
         overview, problems = runs_overview(root)
         return render_template("runs.html", runs=overview, problems=problems, data_root=str(root.path),
-                               fmt=_fmt, money=_money)
+                               fmt=_fmt, money=_money, uis=uis.reachable())
+
+    @app.get("/to/<ui>/<run_id>")
+    def external(ui: str, run_id: str):
+        lookups = {"mlflow": uis.mlflow_run_url, "prefect": uis.prefect_flow_run_url}
+        if ui not in lookups:
+            abort(404)
+        _run(root, run_id)
+        url = lookups[ui](run_id)
+        if url is None:
+            return _error(f"run {run_id} was not found in {ui}'s UI at "
+                          f"{uis.mlflow_url if ui == 'mlflow' else uis.prefect_url} (is it served from this data "
+                          "root? README, \"Look at what the agent did\")", 404, back="/")
+        return redirect(url)
 
     @app.get("/run/<run_id>")
     def run(run_id: str):
