@@ -101,6 +101,7 @@ def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_d
                                  **{name: run.table_uri(iteration, name) for name in RUN_TABLES}},
                          params={"mlflow_run_id": ref.mlflow_run_id, "model_name": model_name})
     logged = completed_outputs(record, True, f"iteration {iteration} tracking") is not None
+    stage_metrics: dict[str, float] = {}
     if not logged:
         metrics = summary.metrics()
         rollout = read_manifest(run.manifest_path("rollout", iteration))
@@ -109,7 +110,7 @@ def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_d
         if ref.traces:
             started = time.perf_counter()
             traced = log_episode_traces(tracker, ref.mlflow_run_id, run, iteration, ref.traces)
-            metrics["traces_seconds"] = time.perf_counter() - started
+            metrics["traces_seconds"] = stage_metrics["traces_seconds"] = time.perf_counter() - started
             stage_logger("log_iteration").info("iteration %d: %d episodes logged as MLflow traces in %.2fs",
                                                iteration, traced, metrics["traces_seconds"])
         tracker.log_metrics(ref.mlflow_run_id, metrics, step=iteration)
@@ -119,7 +120,7 @@ def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_d
     else:  # registered before (a resumed run with another register_every), or None
         version = tracker.find_checkpoint(ref.mlflow_run_id, model_name, iteration)
     if not logged:
-        record.commit({})
+        record.commit({}, stage_metrics)
     stage_logger("log_iteration").info(
         "iteration %d: mean reward %.3f, EM %.3f, dev EM %.3f, %.2f steps/episode, loss %.4f -> %s",
         iteration, summary.mean_reward, summary.em, summary.dev_em, summary.steps_per_episode, summary.loss,

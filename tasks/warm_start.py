@@ -65,7 +65,8 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     labelled = label_steps_table(steps_uri, answers, reward, run.run_id, 0, rewards_uri)
     record.commit({"steps": steps_uri, "rewards": rewards_uri})
     finals = [r.em for r in labelled if r.em is not None]
-    check_oracle_solved(sum(finals), len(chosen) - len(lazy), rollout.env or TASK_ENV)
+    check_oracle_solved(sum(finals), len(chosen) - len(lazy), rollout.env or TASK_ENV,
+                        cut_actions=sum(r.finish_reason == "length" for r in records))
     log.info("warm start: the oracle solved %d of %d episodes (%d tool episodes in the %s format, %d of them lazy; "
              "%d naive_rag answers; %d steps)", sum(finals), len(finals), len(chosen), tool_format, len(lazy), len(rag),
              len(records))

@@ -267,9 +267,27 @@ def test_one_rl_iteration_of_the_pipeline_trains_on_the_example_agents_episodes(
     assert failed.status == "failed" and "6 of 6 episodes failed" in failed.detail
     assert MlflowClient(DataRoot(tmp_path).mlflow_tracking_uri).search_model_versions("name='agentr1-policy'") == []
 
-    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", [*settings, "run_id=gw", "rollout.max_context_tokens=2048"])
+    # the oracle's warm start through a program that offers no search tool: it solves nothing, and says so
+    answers = json.dumps([sys.executable, "-c", ONE_CALL, "answer"])
+    warm = ["warm_start.enabled=true", "warm_start.prompts=8", "warm_start.lazy_fraction=0.5"]
+    toolless = load_config(REPO_ROOT / "configs" / "tiny.yaml", [
+        *settings[:-1], f'rollout.env_kwargs={{"command": {answers}}}', *warm, "run_id=toolless"])
+    with pytest.raises(ValueError, match="solved none of its 4 ideal episodes in env 'agent_program'"):
+        train(toolless)
+
+    # the example agent, with room for the oracle's calls (12 tokens cut them, and the warm start says so)
+    roomy = json.dumps(["python", str(AGENT), "--max-tokens", "96"])
+    config = load_config(REPO_ROOT / "configs" / "tiny.yaml", [
+        *settings[:-1], f'rollout.env_kwargs={{"command": {roomy}, "timeout_s": 120}}', "run_id=gw",
+        "rollout.max_context_tokens=2048", "rollout.max_new_tokens=96", *warm])
     result = train(config)
     run = DataRoot(tmp_path).run("gw")
+    # the oracle played the example agent through the gateway: hermes calls it ran, the ideal half solved
+    oracle = read_table("steps", str(run.warm_start_dir / "steps.parquet"))
+    assert all(json.loads(info)["gateway"] for info in oracle.column("info").to_pylist())
+    assert any(text.startswith("<tool_call>") for text in oracle.column("response_text").to_pylist())
+    solved = read_table("rewards", str(run.warm_start_dir / "rewards.parquet")).column("em").to_pylist()
+    assert sum(em for em in solved if em is not None) == 4
     steps = read_table("steps", run.table_uri(0, "steps"))
     infos = [json.loads(text) for text in steps.column("info").to_pylist()]
     assert all(info["gateway"] for info in infos)

@@ -193,5 +193,7 @@ def test_an_oracle_that_solved_none_of_its_ideal_episodes_fails_the_warm_start()
 
     with pytest.raises(ValueError, match="solved none of its 24 ideal episodes in env 'agent_program'"):
         check_oracle_solved(0, 24, "agent_program")
+    with pytest.raises(ValueError, match="3 of its replies were cut by the token limit"):
+        check_oracle_solved(0, 24, "agent_program", cut_actions=3)
     check_oracle_solved(1, 24, "agent_program")
     check_oracle_solved(0, 0, "agent_program")  # every episode lazy: none is expected to solve

@@ -220,6 +220,10 @@ def test_in_a_browser_the_trained_tokens_are_the_loss_mask_and_the_advantages_th
                 s.querySelectorAll('.tok')).map(t => [Number(t.dataset.id), t.classList.contains('trained'),
                 t.dataset.advantage === '' ? null : Number(t.dataset.advantage),
                 getComputedStyle(t).textDecorationLine]))""")
+            page.goto(f"http://127.0.0.1:{served.port}/run/view-run/iteration/1")
+            page.click('#episodes a[href^="/compare"]')
+            page.wait_for_selector(".side")
+            page.screenshot(path=str(shots / "compare.png"), full_page=True)
             page.goto(f"http://127.0.0.1:{served.port}/run/view-run/iteration/1?where="
                       + urllib.parse.quote("1=1; COPY steps TO 'x.csv'"))
             refused = page.inner_text("#error")
@@ -234,7 +238,8 @@ def test_in_a_browser_the_trained_tokens_are_the_loss_mask_and_the_advantages_th
             assert [t[2] for t in step] == pytest.approx(list(advantages), abs=1e-6)
     assert any(t[1] for step in steps for t in step) and not all(t[1] for step in steps for t in step)
     assert "syntax" in refused
-    assert sorted(p.name for p in shots.iterdir()) == ["episode.png", "iteration.png", "run.png", "runs.png"]
+    assert sorted(p.name for p in shots.iterdir()) == ["compare.png", "episode.png", "iteration.png", "run.png",
+                                                       "runs.png"]
 
 
 def test_agentr1_view_serves_until_interrupted_and_refuses_a_root_without_runs(data_root, tmp_path):

@@ -112,15 +112,18 @@ def oracle_config_problems(config: PipelineConfig) -> list[Problem]:
                     f"the env cannot run. Add {needed} to rollout.env_kwargs.tools, or {_OTHER_FIXES}")]
 
 
-def check_oracle_solved(solved: int, ideal_episodes: int, env: str) -> None:
+def check_oracle_solved(solved: int, ideal_episodes: int, env: str, cut_actions: int = 0) -> None:
     """ValueError if the oracle played ideal episodes and solved none: its calls did not reach a tool
     that answers them (an agent program without a `search` tool taking `query`, or one that does
-    not put the answer in `<answer>` tags), so the warm start would imitate calls that fail."""
+    not put the answer in `<answer>` tags), or its replies were cut (`cut_actions`: by the token
+    limit), so the warm start would imitate calls that fail."""
     if ideal_episodes and not solved:
+        cut = (f" {cut_actions} of its replies were cut by the token limit (the program's max_tokens, or "
+               f"rollout.max_new_tokens): give them room for a call." if cut_actions else "")
         raise ValueError(
             f"the warm start's scripted oracle solved none of its {ideal_episodes} ideal episodes in env {env!r}: "
-            f"its `search` calls (argument `query`) or its `<answer>` replies did not work there. An agent program "
-            f"must offer that tool and return the text of the last <answer> tags; otherwise {_OTHER_FIXES}")
+            f"its `search` calls (argument `query`) or its `<answer>` replies did not work there.{cut} An agent "
+            f"program must offer that tool and return the text of the last <answer> tags; otherwise {_OTHER_FIXES}")
 
 
 def question_of(prompt: Prompt) -> str:
