@@ -53,3 +53,18 @@ def test_the_overhead_parts_add_up_to_the_iteration_outside_generate_and_compute
     assert sum(it["overhead_parts"].values()) == pytest.approx(it["overhead"])
     assert it["overhead_parts"]["rollout_outside_generate"] == pytest.approx(0.5)
     assert it["stages"]["audit_iteration"] == pytest.approx(1.0)
+
+
+def test_the_seconds_spent_on_mlflow_traces_are_taken_out_of_the_iteration_and_reported_apart(data_root):
+    generate, compute, ledger = overhead.recorded_seconds(data_root)
+    spans = {"prepare_data": (100.0, 100.2), "record_ledger": (108.5, 108.6), "log_iteration": (108.6, 109.0),
+             "audit_iteration": (109.0, 110.0)}
+    without = overhead.iteration_breakdown(0, spans, generate[0], compute[0], ledger[0])
+    traced = overhead.iteration_breakdown(0, spans, generate[0], compute[0], ledger[0], traces=0.3)
+    assert traced["wall"] == pytest.approx(without["wall"] - 0.3)
+    assert traced["stages"]["log_iteration"] == pytest.approx(0.4 - 0.3)
+    assert traced["overhead"] == pytest.approx(without["overhead"] - 0.3)
+    assert sum(traced["overhead_parts"].values()) == pytest.approx(traced["overhead"])
+    row = overhead.traces_measurement([traced, traced], traces=4)  # the first iteration is not measured
+    assert row.ratio == pytest.approx(0.3 / traced["wall"]) and row.details["seconds_per_iteration"] == [0.3]
+    assert overhead.traces_measurement([without], traces=0).skipped

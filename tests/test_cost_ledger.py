@@ -194,9 +194,13 @@ def test_quick_overhead_benchmark_reports_the_ledger_and_the_audit_shares(tmp_pa
                    check=True, capture_output=True, timeout=600)
     result = json.loads((tmp_path / "overhead.json").read_text())
     rows = {m["key"]: m for m in result["measurements"]}
-    assert set(rows) == {"iteration", "ledger", "audit"}
+    assert set(rows) == {"iteration", "ledger", "audit", "traces"}
     for key in ("ledger", "audit"):
         assert not rows[key].get("skipped"), rows[key]
         assert 0 < rows[key]["ratio"] < rows["iteration"]["ratio"]  # a part of the overhead, not all of it
         assert rows[key]["details"]["seconds"] > 0
     assert rows["audit"]["goal"]["value"] == 0.05
+    # tracking.traces (4 by default): logged in every measured iteration, its seconds its own row's
+    assert not rows["traces"].get("skipped") and rows["traces"]["goal"]["value"] == 0.02
+    assert rows["traces"]["details"]["traces_per_iteration"] == 4
+    assert rows["traces"]["ratio"] > 0 and all(s > 0 for s in rows["traces"]["details"]["seconds_per_iteration"])
