@@ -51,10 +51,11 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     tokenizer = load_tokenizer(Path(policy_dir))
     tool_format = env_tool_format(rollout.env or TASK_ENV, rollout.env_kwargs)
     lazy = random.Random(f"warm-start-lazy:{seed}").sample(chosen, round(cfg.lazy_fraction * len(chosen)))
+    tool_prefix = f"{run.run_id}-warm-"  # the oracle's tool episodes (the naive_rag ones are "-rag-")
     engine = OracleEngine(tokenizer, prompts, tool_format=tool_format,
                           lazy_prompt_ids=frozenset(p.prompt_id for p in lazy))
     records = roll_out(engine, tokenizer, prompts, documents, rollout, seed=seed, policy_version=0,
-                       episode_prefix=f"{run.run_id}-warm-", group_size=1)
+                       episode_prefix=tool_prefix, group_size=1)
     rag = random.Random(f"warm-start-rag:{seed}").sample(train, min(cfg.rag_prompts, len(train)))
     prompts += rag
     records += rag_demonstrations(tokenizer, rag, documents, top_k=top_k, episode_prefix=f"{run.run_id}-rag-")
@@ -63,10 +64,13 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     answers = {p.prompt_id: list(p.answers) for p in prompts}  # a prompt in both samples: same answers
     rewards_uri = str(run.warm_start_dir / "rewards.parquet")
     labelled = label_steps_table(steps_uri, answers, reward, run.run_id, 0, rewards_uri)
-    record.commit({"steps": steps_uri, "rewards": rewards_uri})
     finals = [r.em for r in labelled if r.em is not None]
-    check_oracle_solved(sum(finals), len(chosen) - len(lazy), rollout.env or TASK_ENV,
+    # before the commit, so a resumed run checks again instead of skipping a stage that failed; the
+    # tool episodes only (the naive_rag answers are the gold, solved whatever the env does)
+    check_oracle_solved(sum(r.em for r in labelled if r.em is not None and r.episode_id.startswith(tool_prefix)),
+                        len(chosen) - len(lazy), rollout.env or TASK_ENV,
                         cut_actions=sum(r.finish_reason == "length" for r in records))
+    record.commit({"steps": steps_uri, "rewards": rewards_uri})
     log.info("warm start: the oracle solved %d of %d episodes (%d tool episodes in the %s format, %d of them lazy; "
              "%d naive_rag answers; %d steps)", sum(finals), len(finals), len(chosen), tool_format, len(lazy), len(rag),
              len(records))
