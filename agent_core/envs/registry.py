@@ -68,11 +68,14 @@ def env_tool_format(name: str, kwargs: Mapping[str, Any]) -> str:
         return fixed
     if "tool_format" in kwargs:
         return str(kwargs["tool_format"])
-    if "tool_format" in env_kwarg_names(name):
-        default = inspect.signature(ENVS.get(name)).parameters["tool_format"].default
-        if isinstance(default, str):
-            return default
-    return "tag"
+    default = _kwarg_default(name, "tool_format")
+    return default if isinstance(default, str) else "tag"
+
+
+def _kwarg_default(name: str, key: str) -> Any:
+    """The default of env `name`'s keyword argument `key` (inspect.Parameter.empty: none, or no such key)."""
+    parameter = inspect.signature(ENVS.get(name)).parameters.get(key)
+    return inspect.Parameter.empty if parameter is None else parameter.default
 
 
 @ENVS.register("tool_env")
@@ -136,7 +139,7 @@ def env_tool_names(name: str, kwargs: Mapping[str, Any]) -> tuple[str, ...] | No
         return _FIXED_TOOLS[name]
     if "tools" not in env_kwarg_names(name):
         return None
-    default = inspect.signature(ENVS.get(name)).parameters["tools"].default
+    default = _kwarg_default(name, "tools")
     entries = kwargs.get("tools", () if default is inspect.Parameter.empty else default)
     return tuple(str(_tool_entry(entry)[0]) for entry in entries)
 
