@@ -1,37 +1,12 @@
 """Pipeline overhead: the share of a training iteration's wall time spent outside generation and
 forward/backward/optimizer steps (Prefect, Parquet I/O, schema validation, checkpoints, MLflow).
 
-Runs the real training flow (flows/train.py `train`) on a fresh temporary data root: the demo's
-config (configs/demo.yaml; --quick: configs/tiny.yaml) with the warm start and dev evaluation off,
---iterations iterations of --prompts x --group-size episodes of up to --max-steps steps. Nothing
-in the library is changed. What every run records (issue 33) gives most of the numbers, read
-after the run with `agent_core.io.query.run_query` (what `agentr1 query` runs):
-
-- generation: the steps table's `info.generate_seconds` (the wall time of the generate call that
-  produced a step's action), summed once per call (a call's steps share `generated_at`);
-- the trainer's compute: `train_metrics.seconds`, each optimizer step's forward + backward + clip +
-  step over its micro-batches (building the padded micro-batches included);
-- the stages that write a manifest: the `ledger` table's `wall_seconds` (prepare_data, rollout,
-  label_rewards, compute_advantages, train; agent_core/io/ledger.py), each from the stage's record
-  to its commit.
-
-No table holds when an iteration starts and ends, nor the seconds of the three stages after
-training that write no manifest: the cost ledger (`record_ledger`, tasks/ledger.py), MLflow
-logging (`log_iteration`) and the behaviour audit (`audit_iteration`, tasks/audit.py). Those four
-stage tasks are wrapped with a timer as `flows.train` calls them (prepare_data for the start);
-iteration k runs from the start of its prepare_data to the end of its last stage. The ledger's and
-the audit's seconds are also reported as their own share of the iteration's wall time (the audit's
-goal <= 0.05, issue 33); either, missing from flows.train, is reported as skipped.
-
-overhead share = 1 - (generate + train compute) / iteration wall time, over iterations 1..N-1
-(iteration 0 also pays first-call costs: Prefect task registration, MLflow model registry,
-imports); iteration 0's share is in the details. Goal <= 0.10. The split of the overhead:
-rollout and train outside generation and compute, the other stages' seconds, and what no stage
-record covers (`outside_stage_records`: Prefect's task runs around the recorded stages, the
-gaps). The share depends on the model size: the bigger the policy, the more of the time is
-compute, so the tiny demo policy is the hard case. Prefect's temporary API start (~7 s) and the
-run's setup (dataset, initial policy, MLflow run) happen before iteration 0 and are reported as
-`setup_seconds`, not in the share.
+Runs the real training flow on a temporary data root (configs/demo.yaml; --quick: tiny), warm start
+and dev evaluation off. Generation, trainer compute and stage seconds come from the run's tables;
+the stages that write no manifest are timed around their `flows.train` calls. overhead share =
+1 - (generate + train compute) / iteration wall time over iterations 1..N-1, goal <= 0.10; the
+ledger's, the audit's and the MLflow traces' seconds are their own rows. How each number is taken:
+docs/benchmarks.md, "How the overhead row is measured".
 """
 
 from __future__ import annotations
