@@ -13,6 +13,7 @@ import yaml
 
 from agent_core.audit import audit_iterations
 from agent_core.config import AuditConfig, PipelineConfig
+from agent_core.envs.registry import env_offers_tools
 from agent_core.validation import build_config
 from flows.configs_lookup import recorded_config
 
@@ -25,7 +26,8 @@ def audit_command(data_root: str, run_id: str, checks_file: str | None = None) -
     if not iterations:
         print(f"agentr1: run {run_id} has no iteration yet: nothing to audit")
         return 0
-    rows = audit_iterations(run, config.audit, iterations)
+    rows = audit_iterations(run, config.audit, iterations,
+                            env_offers_tools(config.rollout.env, config.rollout.env_kwargs))
     failing = [r for r in rows if r.failing]
     for row in failing:
         print(row.line())

@@ -15,6 +15,7 @@ from prefect import flow
 
 from agent_core.algos.estimator_core import estimator_uses_critic
 from agent_core.config import PipelineConfig
+from agent_core.envs.registry import env_offers_tools
 from agent_core.io.layout import DataRoot, RunLayout, new_run_id
 from agent_core.io.summaries import IterationSummary, eval_scores
 from agent_core.run_resources import RunResources
@@ -104,7 +105,8 @@ def _finish_iteration(run: RunLayout, k: int, checkpoint: str, dataset: DatasetU
     if _evaluates_after(k, config):
         dev_eval(run, k, checkpoint, dataset, config.dev_eval, eval_settings)
     reports.append(log_iteration(run, k, tracking, checkpoint))
-    audits.append(audit_iteration(run, k, config.audit, tracking))  # behaviour health checks (agent_core/audit)
+    offers_tools = env_offers_tools(config.rollout.env, config.rollout.env_kwargs)
+    audits.append(audit_iteration(run, k, config.audit, tracking, offers_tools=offers_tools))  # behaviour health checks
     record_ledger(run, k, config)  # the iteration's stage seconds, the audit's too, priced (README "What a run cost")
     return checkpoint, k + 1
 

@@ -63,17 +63,18 @@ def _inputs(run: RunLayout, iteration: int, baseline_iterations: int) -> dict[st
 
 @stage_task(name="audit")
 def audit_iteration(run: RunLayout, iteration: int, cfg: AuditConfig, tracking: Any = None,
-                    resume: bool = True) -> AuditResult:
+                    resume: bool = True, offers_tools: bool = True) -> AuditResult:
+    """`offers_tools`: the run's env gives the policy tools (False: the tool checks are not run)."""
     if not cfg.enabled:
         return AuditResult(iteration, None)
     uri = health_uri(run, iteration)
     record = StageRecord(run.manifest_path("audit", iteration), "audit",
                          inputs=_inputs(run, iteration, cfg.baseline_iterations),
-                         params={"audit": cfg})
+                         params={"audit": cfg, "offers_tools": offers_tools})
     done = completed_outputs(record, resume, f"iteration {iteration} audit") is not None
     # audited before with these tables and settings: its verdict is read back, not recomputed
     rows = ([HealthRow(**row) for row in read_table("health", uri).to_pylist()] if done
-            else audit_iterations(run, cfg, [iteration]))
+            else audit_iterations(run, cfg, [iteration], offers_tools))
     failing = [r for r in rows if r.failing]
     stop = bool(failing) and cfg.on_alert == "stop" and not done
     log = stage_logger("audit")

@@ -14,6 +14,7 @@ from agent_core.audit import BUILTIN_NAMES, audit_iterations, judged_iterations
 from agent_core.audit.checks import Check
 from agent_core.audit.evaluate import judge
 from agent_core.config.audit import AuditConfig
+from agent_core.envs.registry import env_offers_tools
 from audit_tables import QUESTION, Action, Episode, Update, healthy, write_iteration
 
 ANSWER = Action(text="<answer>Zurport</answer>", calls=(), observation="", answer="Zurport")
@@ -31,6 +32,8 @@ BAD_ITERATIONS = {  # check -> (episodes, updates) of an iteration that must mak
                               None),
     "tool_error_rate": (_episodes(replace(SEARCH, calls=(False, False)), ANSWER), None),
     "tool_calls_per_episode": (_episodes(ANSWER), None),  # collapse: answers without searching
+    "unanswered_episode_rate": (_episodes(SEARCH, SEARCH), None),  # out of steps, never an answer
+    "cut_action_rate": (_episodes(replace(SEARCH, cut=True), replace(ANSWER, cut=True)), None),
     "steps_per_episode": (_episodes(*([SEARCH] * 7), ANSWER), None),  # runaway growth (baseline 2)
     "answer_copied_from_question": (_episodes(SEARCH, replace(ANSWER, answer="Vi Fin")), None),
     "answer_repeats_observation": (_episodes(SEARCH, replace(ANSWER, answer="Vi Fin is a film directed by Gos Kin.")),
@@ -75,6 +78,28 @@ def test_each_builtin_check_fires_on_its_failure_and_only_there(tmp_path, name):
     assert rows[name].detail  # says which bound broke
     # the baseline iterations stay clean
     assert all(r.status != "alert" for r in audit_iterations(run, AuditConfig(), [0, 1]))
+
+
+@pytest.mark.parametrize("name", ["tool_calls_per_episode", "unanswered_episode_rate", "cut_action_rate",
+                                  "malformed_action_rate", "format_process_reward"])
+def test_behaviour_bad_from_the_first_iteration_is_flagged_there(tmp_path, name):
+    """No trend to see: every iteration is as bad as the first; the absolute bound must say so at 0."""
+    episodes, updates = BAD_ITERATIONS[name]
+    for k in range(3):
+        run = write_iteration(tmp_path, "r", k, episodes, updates)
+    rows = {(r.iteration, r.check_name): r for r in audit_iterations(run, AuditConfig(), [0, 1, 2])}
+    assert [rows[k, name].status for k in range(3)] == ["alert"] * 3, rows[0, name].line()
+
+
+def test_the_tool_checks_are_not_run_for_an_env_without_tools(tmp_path):
+    run = _run_with_bad_last(tmp_path, *BAD_ITERATIONS["tool_calls_per_episode"])
+    with_tools = {r.check_name: r.status for r in audit_iterations(run, AuditConfig(), [2])}
+    without = {r.check_name for r in audit_iterations(run, AuditConfig(), [2], offers_tools=False)}
+    assert with_tools["tool_calls_per_episode"] == "alert" and "tool_error_rate" in with_tools
+    assert set(with_tools) - without == {"tool_calls_per_episode", "tool_error_rate"}
+    assert not env_offers_tools("tool_env", {"tools": []})
+    assert env_offers_tools("tool_env", {}) and env_offers_tools("search_qa", {}) and env_offers_tools(None, {})
+    assert env_offers_tools("agent_program", {"command": ["python", "agent.py"]})  # declared per request
 
 
 def test_a_threshold_override_silences_one_check_and_disables_another(tmp_path):

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from agent_core.audit import BUILTIN_NAMES, FAILING
 from agent_core.io.layout import DataRoot
+from agent_core.io.run_catalog import health_uri
+from agent_core.io.tables import read_table
 from agent_core.validation import load_config
 from flows.train import train
 
@@ -46,6 +49,16 @@ def test_rl_raises_held_out_em_on_unseen_entities(learned):
     assert len(result.iterations) == config.iterations
     assert _gain(result) >= MIN_GAIN, (result.start_dev_em, [s.dev_em for s in result.iterations])
     assert max(s.em for s in result.iterations) > 0  # sampled training episodes solved too
+
+
+def test_the_demo_recipe_trains_without_an_audit_alert(learned):
+    """The audit's default bounds are set so (agent_core/audit/checks.py): an alert here is a bound
+    that fires on a healthy run, or a recipe that stopped being one."""
+    config, result = learned
+    run = DataRoot(Path(config.data_root)).run(config.run_id)
+    rows = [row for k in range(config.iterations) for row in read_table("health", health_uri(run, k)).to_pylist()]
+    assert len(rows) == config.iterations * len(BUILTIN_NAMES)
+    assert [(r["iteration"], r["check_name"], r["value"]) for r in rows if r["status"] in FAILING] == []
 
 
 def test_the_same_rl_with_learning_rate_zero_does_not(learned):

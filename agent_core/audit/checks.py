@@ -3,10 +3,13 @@
 max_ratio/min_ratio against the mean of the run's first iterations).
 
 Defaults are set so the demo recipe (configs/demo.yaml) trains without an alert, and each names a
-failure RL users report: episodes that fail (a crashing agent program), a policy that stops calling tools, floods malformed calls, answers with
-the question's words, repeats itself, or earns its reward from the format term instead of the task;
-an entropy collapse, a KL or clip-fraction spike, non-finite updates. Values over a whole iteration
-(all its steps, episodes or updates), so one bad episode does not alert.
+failure RL users report: episodes that fail (a crashing agent program), a policy that stops calling
+tools or never answers, floods malformed or cut-off calls, answers with the question's words,
+repeats itself, or earns its reward from the format term instead of the task; an entropy collapse,
+a KL or clip-fraction spike, non-finite updates. Values over a whole iteration (all its steps,
+episodes or updates), so one bad episode does not alert. A ratio to the run's start cannot see a
+behaviour bad from the start, so those a policy can show from iteration 0 (no tool calls, no
+answers, cut-off or malformed actions, a paying format term) have absolute bounds too.
 
 Columns that do not exist are not invented: there is no per-step entropy of the sampled actions
 (the trainer's `train_metrics.entropy` is the policy's entropy on the trained tokens, the one used).
@@ -29,6 +32,7 @@ class Check:
     max_ratio: float | None = None
     min_ratio: float | None = None
     source: str = "builtin"  # builtin | user
+    needs_tools: bool = False  # not run for an env that offers the policy no tools
 
     def rule(self) -> str:
         """The bounds as text, e.g. `max 0.5, min_ratio 0.25`."""
@@ -63,12 +67,25 @@ BUILTIN_CHECKS: tuple[Check, ...] = (
           GROUP BY iteration""",
           "share of tool calls that failed (unknown tool, bad arguments, a tool error or timeout, over budget; "
           "behind the gateway, from the tool messages the agent sends back)",
-          max=0.5),
+          max=0.5, needs_tools=True),
     Check("tool_calls_per_episode",
           """SELECT iteration, sum(json_array_length(tool_calls))::DOUBLE / count(DISTINCT episode_id) AS value
           FROM steps GROUP BY iteration""",
-          "tool calls per episode: collapse to zero (the agent stopped using its tools) or runaway growth",
-          min_ratio=0.25, max_ratio=4.0),
+          "tool calls per episode: an agent that (almost) never uses its tools, from the start or after a "
+          "collapse, or runaway growth; not run for an env that offers no tools",
+          min=0.1, min_ratio=0.25, max_ratio=4.0, needs_tools=True),
+    Check("unanswered_episode_rate",
+          """SELECT iteration, avg(CASE WHEN truncated THEN 1.0 ELSE 0.0 END) AS value FROM steps
+          WHERE done AND termination <> 'error' GROUP BY iteration""",
+          "share of episodes (failed ones aside) cut off by a budget (max_steps, max_context) before an "
+          "answer: an agent that searches on and never answers",
+          max=0.5),
+    Check("cut_action_rate",
+          "SELECT iteration, avg(CASE WHEN finish_reason = 'length' THEN 1.0 ELSE 0.0 END) AS value FROM steps "
+          "WHERE finish_reason <> 'none' GROUP BY iteration",
+          "share of actions cut by the token limit (rollout.max_new_tokens) before they ended: rambling, "
+          "or a limit too small for the agent's calls",
+          max=0.5),
     Check("steps_per_episode",
           "SELECT iteration, count(*)::DOUBLE / count(DISTINCT episode_id) AS value FROM steps GROUP BY iteration",
           "agent steps (turns) per episode: collapse or runaway growth",
@@ -152,11 +169,14 @@ def _bounded(check: Check, bounds: CheckBounds) -> Check:
     return replace(check, **{key: getattr(bounds, key) for key in BOUND_KEYS if key in bounds.model_fields_set})
 
 
-def configured_checks(cfg: AuditConfig) -> list[Check]:
-    """The checks `cfg` runs: the built-ins with their threshold overrides (those not disabled), then the user's."""
+def configured_checks(cfg: AuditConfig, offers_tools: bool = True) -> list[Check]:
+    """The checks `cfg` runs: the built-ins with their threshold overrides (those not disabled, and
+    those about tools only where the env offers some), then the user's."""
     checks = []
     for check in BUILTIN_CHECKS:
         bounds = cfg.thresholds.get(check.name)
+        if check.needs_tools and not offers_tools:
+            continue
         if bounds is None:
             checks.append(check)
         elif bounds.enabled:

@@ -144,6 +144,13 @@ def env_tool_names(name: str, kwargs: Mapping[str, Any]) -> tuple[str, ...] | No
     return tuple(str(_tool_entry(entry)[0]) for entry in entries)
 
 
+def env_offers_tools(name: str | None, kwargs: Mapping[str, Any]) -> bool:
+    """False only when env `name` with `kwargs` is known to give the policy no tools (a tool_env
+    with `tools: []`): the audit's tool checks are not run for it. `name` None (`rollout.env` unset:
+    each prompt names its env) is True."""
+    return name is None or env_tool_names(name, kwargs) != ()
+
+
 def env_kwarg_names(name: str) -> list[str]:
     """The keyword arguments env `name` accepts (UnknownNameError for an unknown env)."""
     return ENVS.kwarg_names(name)
