@@ -44,7 +44,7 @@ def data_root(tmp_path_factory) -> Path:
 def masked_root(data_root, tmp_path_factory) -> Path:
     """A copy of the run whose first episode's step 1 has no advantages row (as a step left out of
     training has none): its tokens must show as not trained, the other steps' as trained."""
-    root = tmp_path_factory.mktemp("masked") / "root"
+    root = tmp_path_factory.mktemp("masked") / "data"  # the default folder's name: the screenshots show it
     shutil.copytree(data_root, root, ignore=shutil.ignore_patterns(".query-*", "*.lock"))
     table = root / "runs/view-run/iteration=1/advantages.parquet"
     kept = table.with_name("kept.tmp")
@@ -194,18 +194,22 @@ def _an_address_not_loopback() -> str | None:
     return None if address.startswith("127.") else address
 
 
-def test_in_a_browser_the_trained_tokens_are_the_loss_mask_and_the_advantages_the_tables(masked_root, tmp_path):
+def test_in_a_browser_the_trained_tokens_are_the_loss_mask_and_the_advantages_the_tables(masked_root, tmp_path,
+                                                                                          monkeypatch):
     from playwright.sync_api import sync_playwright
+
+    monkeypatch.chdir(masked_root.parent)  # served as `data`, as `agentr1 view` does by default: no temp path shown
 
     assert CHROMIUM, "no chromium: `make test-slow` installs it (apt-get install chromium)"
     episode = _first_episode(masked_root)
     shots = Path(os.environ.get("AGENTR1_SCREENSHOTS", tmp_path / "shots"))  # the README's: docs/images/viewer
-    with _Served(masked_root) as served, sync_playwright() as playwright:
+    with _Served(Path(masked_root.name)) as served, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 900})
             page.set_default_timeout(BOUND_S * 1000)
             page.goto(f"http://127.0.0.1:{served.port}/")
+            assert page.inner_text("h1") == "Runs under data"
             page.screenshot(path=str(shots / "runs.png"), full_page=True)
             page.click("text=view-run")
             page.wait_for_selector("#iterations")
