@@ -77,6 +77,7 @@ def test_the_shipped_experiment_names_every_paper_arm():
     assert all((config_dir / name).is_file() for name in exp.base_configs)
 
 
+@pytest.mark.slow  # a whole experiment (a warm start, two arms, the baselines, evaluations): ~40 s on 2 cores
 def test_two_arm_experiment_writes_page_plots_tables_and_mlflow(tmp_path):
     from flows.experiment import experiment
 

@@ -1,10 +1,11 @@
-"""The learning regression check: the demo's recipe, run through the real flow with a fixed seed,
-must raise greedy dev EM on unseen entities by MIN_GAIN; the same RL from the same warm-started
-policy with `trainer.lr=0` must not (so the rise is the updates', not the evaluation's or the data's).
+"""The learning regression check: the demo's recipe, run through the real flow with a fixed seed
+for its first ITERATIONS iterations, must raise greedy dev EM on unseen entities by MIN_GAIN; the
+same RL from the same warm-started policy with `trainer.lr=0` must not (so the rise is the
+updates', not the evaluation's or the data's).
 
-MIN_GAIN is well below what every measured seed of the recipe gains (docs/results.md, "The demo's
-learning curve": 0.985, 0.865 and 0.885 for seeds 0, 1, 2) and far above the lr=0 control, whose
-greedy EM cannot move.
+MIN_GAIN is well below what every measured seed of the recipe gains after its first iteration
+(docs/results.md, "The demo's learning curve": 0.990, 0.785 and 0.855 for seeds 0, 1, 2) and far
+above the lr=0 control, whose greedy EM cannot move.
 Slow (a few minutes on 2 cores): `make test-slow`. To see the check fail on a broken trainer, give
 the recipe run extra overrides: `LEARNING_TEST_SET="trainer.lr=0" pytest tests/test_learning.py`.
 """
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO = REPO_ROOT / "configs" / "demo.yaml"
 MIN_GAIN = 0.5
+ITERATIONS = 3  # of the recipe's 12: the audit's trend rules judge iteration 2 against 0 and 1
 
 
 def _gain(result) -> float:
@@ -39,7 +41,10 @@ def _gain(result) -> float:
 def learned(tmp_path_factory):
     data_root = tmp_path_factory.mktemp("learning")
     extra = shlex.split(os.environ.get("LEARNING_TEST_SET", ""))  # e.g. trainer.lr=0: the check must fail
-    config = load_config(DEMO, [f"data_root={data_root}", "run_id=learns", *extra])
+    # The demo's recipe for ITERATIONS iterations, evaluated at the start and the end: every measured
+    # seed gains most of its EM in the first iteration (docs/results.md: 0.785-0.990 after it).
+    config = load_config(DEMO, [f"data_root={data_root}", "run_id=learns", f"iterations={ITERATIONS}",
+                                f"dev_eval.every={ITERATIONS}", *extra])
     return config, train(config)
 
 

@@ -172,7 +172,9 @@ def _with_signal(job: TrainJob, out: Path) -> TrainJob:
     return dataclasses.replace(job, advantages_uri=write_table("advantages", rows, str(out / "advantages.parquet")))
 
 
-@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+# One aggregation through Ray (a start of two workers is ~25 s): every mode's two-worker step
+# against one process is tests/test_data_parallel.py's (the same DDP step, without Ray).
+@pytest.mark.parametrize("agg_mode", ["seq-mean-token-mean"])
 def test_two_ray_workers_train_the_parameters_of_one_process(cluster_run, tmp_path, agg_mode):
     from agent_core.cluster.runtime import ClusterSpec, connect, disconnect
     from agent_core.cluster.trainers import TrainerGroup, TrainerSpec

@@ -68,6 +68,7 @@ def _wait_for_server(parent: subprocess.Popen, timeout: float) -> int:
     raise AssertionError(f"no temporary Prefect server answered within {timeout:.0f}s")
 
 
+@pytest.mark.slow  # an `agentr1 train` and its server's start: ~20 s on 2 cores
 def test_the_temporary_server_dies_with_a_sigkilled_agentr1(tmp_path):
     # no PREFECT_API_URL (so a temporary server) and nothing of this session's Prefect settings
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
