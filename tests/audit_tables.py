@@ -32,6 +32,7 @@ class Episode:
     em: float = 1.0
     format_score: float = 1.0
     format_weight: float = 0.1
+    advantage: float = 0.5  # every token of every step (0: the episode's group gave no signal)
 
 
 @dataclass
@@ -80,9 +81,16 @@ def _reward_rows(run_id: str, k: int, e: int, episode: Episode) -> list[dict]:
     return rows
 
 
+def _advantage_rows(run_id: str, k: int, e: int, episode: Episode) -> list[dict]:
+    return [dict(run_id=run_id, iteration=k, episode_id=f"{run_id}-i{k}-e{e}", step_idx=i,
+                 advantages=[episode.advantage] * len(a.ids), returns=[episode.advantage] * len(a.ids), values=None,
+                 ref_logprobs=None, obs_advantages=None, obs_returns=None, obs_values=None, estimator="grpo")
+            for i, a in enumerate(episode.actions) if a.ids]
+
+
 def write_iteration(root: Path, run_id: str, k: int, episodes: list[Episode], updates: list[Update] | None = None,
                     question: str = QUESTION) -> RunLayout:
-    """Write iteration k's prompts, steps, rewards and train_metrics tables of run `run_id` under `root`."""
+    """Write iteration k's prompts, steps, rewards, advantages and train_metrics tables of run `run_id` under `root`."""
     run = DataRoot(Path(root)).run(run_id)
     prompt_ids = sorted({f"p{e // 2}" for e in range(len(episodes))})
     messages = json.dumps([{"role": "user", "content": question}])
@@ -94,6 +102,8 @@ def write_iteration(root: Path, run_id: str, k: int, episodes: list[Episode], up
                 run.table_uri(k, "steps"))
     write_table("rewards", [r for e, ep in enumerate(episodes) for r in _reward_rows(run_id, k, e, ep)],
                 run.table_uri(k, "rewards"))
+    write_table("advantages", [r for e, ep in enumerate(episodes) for r in _advantage_rows(run_id, k, e, ep)],
+                run.table_uri(k, "advantages"))
     metrics = []
     for u, up in enumerate(updates if updates is not None else [Update()]):
         nan = float("nan")

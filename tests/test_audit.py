@@ -34,6 +34,7 @@ BAD_ITERATIONS = {  # check -> (episodes, updates) of an iteration that must mak
     "tool_calls_per_episode": (_episodes(ANSWER), None),  # collapse: answers without searching
     "unanswered_episode_rate": (_episodes(SEARCH, SEARCH), None),  # out of steps, never an answer
     "cut_action_rate": (_episodes(replace(SEARCH, cut=True), replace(ANSWER, cut=True)), None),
+    "learning_signal_rate": (_episodes(SEARCH, ANSWER, em=0.0, advantage=0.0), None),  # every sample alike
     "steps_per_episode": (_episodes(*([SEARCH] * 7), ANSWER), None),  # runaway growth (baseline 2)
     "answer_copied_from_question": (_episodes(SEARCH, replace(ANSWER, answer="Vi Fin")), None),
     "answer_repeats_observation": (_episodes(SEARCH, replace(ANSWER, answer="Vi Fin is a film directed by Gos Kin.")),
@@ -81,7 +82,7 @@ def test_each_builtin_check_fires_on_its_failure_and_only_there(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["tool_calls_per_episode", "unanswered_episode_rate", "cut_action_rate",
-                                  "malformed_action_rate", "format_process_reward"])
+                                  "malformed_action_rate", "format_process_reward", "learning_signal_rate"])
 def test_behaviour_bad_from_the_first_iteration_is_flagged_there(tmp_path, name):
     """No trend to see: every iteration is as bad as the first; the absolute bound must say so at 0."""
     episodes, updates = BAD_ITERATIONS[name]

@@ -9,7 +9,8 @@ repeats itself, or earns its reward from the format term instead of the task; an
 a KL or clip-fraction spike, non-finite updates. Values over a whole iteration (all its steps,
 episodes or updates), so one bad episode does not alert. A ratio to the run's start cannot see a
 behaviour bad from the start, so those a policy can show from iteration 0 (no tool calls, no
-answers, cut-off or malformed actions, a paying format term) have absolute bounds too.
+answers, cut-off or malformed actions, a paying format term, no learning signal) have absolute
+bounds too.
 
 Columns that do not exist are not invented: there is no per-step entropy of the sampled actions
 (the trainer's `train_metrics.entropy` is the policy's entropy on the trained tokens, the one used).
@@ -151,6 +152,13 @@ BUILTIN_CHECKS: tuple[Check, ...] = (
           f"SELECT iteration, avg(clipfrac) AS value {_UPDATES}",
           "share of tokens whose ratio was clipped (train_metrics): spikes mean too large updates",
           max=0.4),
+    Check("learning_signal_rate",
+          """SELECT iteration, avg(CASE WHEN list_max(list_transform(advantages, lambda a: abs(a))) > 1e-6
+                                   THEN 1.0 ELSE 0.0 END) AS value FROM advantages GROUP BY iteration""",
+          "share of trained steps with a non-zero advantage, the only ones RL learns from: 0 means every "
+          "group's samples scored alike (all wrong, or all right) and the update only moves the policy by "
+          "its regularisers (a warm start too weak or too strong, a reward that cannot tell samples apart)",
+          min=0.01),
     Check("nonfinite_updates",
           """SELECT iteration, count(*) FILTER (WHERE skip_reason ILIKE '%non-finite%'
                                           OR NOT isfinite(loss) OR NOT isfinite(grad_norm))::DOUBLE AS value
