@@ -108,7 +108,7 @@ def warm_start(run: RunLayout, steps_uri: str, rewards_uri: str, cfg: WarmStartC
     optimizer = make_optimizer(model, lr=cfg.lr)
     results = sft_train(model, optimizer, sequences, pad_id=tokenizer.pad_token_id, epochs=cfg.epochs,
                         batch_size=cfg.batch_size, micro_batch_tokens=micro_batch_tokens, seed=seed,
-                        log_every=max(1, len(sequences) // cfg.batch_size), log=log, all_tokens=cfg.loss_on == "all")
+                        log_every=max(1, -(-len(sequences) // cfg.batch_size) // 10), log=log, all_tokens=cfg.loss_on == "all")
     target = save_policy(model, tokenizer, run.warm_start_policy_dir)
     record.commit({"policy": target})
     log.info("warm start: %d episodes, NLL per %s token %.3f -> %.3f over %d steps; policy at %s",

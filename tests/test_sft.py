@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -64,6 +66,19 @@ def test_sft_learns_the_actions_and_greedy_decoding_reproduces_them(setup):
     prompt = torch.tensor([steps[0].prompt_ids])
     out = model.generate(prompt, max_new_tokens=len(steps[0].response_ids), do_sample=False)
     assert out[0, prompt.shape[1]:].tolist() == steps[0].response_ids
+
+
+def test_progress_is_logged_every_log_every_steps_with_the_total(setup, caplog):
+    """A slow machine's warm start (minutes a step) says where it is, not only at each epoch's end."""
+    tokenizer, model, steps = setup
+    sequences = choose_layout([steps]) * 3  # 3 sequences, batches of 2: 2 steps an epoch, 6 in all
+    log = logging.getLogger("sft-progress-test")
+    with caplog.at_level(logging.INFO, logger=log.name):
+        results = sft_train(model, make_optimizer(model, lr=1e-3), sequences, pad_id=tokenizer.pad_token_id,
+                            epochs=3, batch_size=2, micro_batch_tokens=256, log_every=2, log=log)
+    assert len(results) == 6
+    assert [r.getMessage().split(", NLL")[0] for r in caplog.records] == [
+        f"warm start: epoch {epoch}, step {step} of 6" for epoch, step in ((0, 2), (1, 4), (2, 6))]
 
 
 def _grad(model) -> torch.Tensor:

@@ -82,6 +82,7 @@ def sft_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequence
         raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
     rng = random.Random(seed)
     order = list(range(len(sequences)))
+    total = epochs * -(-len(order) // batch_size)
     results = []
     for epoch in range(epochs):
         rng.shuffle(order)
@@ -90,6 +91,6 @@ def sft_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sequence
             results.append(sft_step(model, optimizer, chosen, pad_id=pad_id, micro_batch_tokens=micro_batch_tokens,
                                     max_grad_norm=max_grad_norm, epoch=epoch, all_tokens=all_tokens))
             if log is not None and log_every and len(results) % log_every == 0:
-                log.info("warm start: epoch %d, step %d, NLL per %s token %.3f", epoch, len(results),
+                log.info("warm start: epoch %d, step %d of %d, NLL per %s token %.3f", epoch, len(results), total,
                          "predicted" if all_tokens else "action", results[-1].nll)
     return results
