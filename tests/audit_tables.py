@@ -61,7 +61,8 @@ def _step_rows(run_id: str, k: int, e: int, episode: Episode) -> list[dict]:
             prompt_id=f"p{e // 2}", sample_idx=e % 2, step_idx=i, policy_version=k, prompt_ids=[1, 2, 3],
             response_ids=list(a.ids), response_logprobs=[-0.5] * len(a.ids), response_text=a.text,
             tool_calls=json.dumps(calls), parse_error=a.parse_error, observation_text=a.observation, env_reward=0.0,
-            done=done, termination=termination, truncated=termination == "max_steps", finish_reason="length" if a.cut else "stop",
+            done=done, termination=termination, truncated=termination == "max_steps",
+            finish_reason="length" if a.cut else "stop",
             prefix_shared=not done, info=json.dumps(info), served_by=None, retries=0, generated_at=1.0, anchor=None,
             history="start" if i == 0 else "appended"))
     return rows

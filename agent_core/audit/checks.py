@@ -2,18 +2,10 @@
 (iteration, value), and bounds (agent_core/config/audit.py CheckBounds: absolute max/min, and
 max_ratio/min_ratio against the mean of the run's first iterations).
 
-Defaults are set so the demo recipe (configs/demo.yaml) trains without an alert, and each names a
-failure RL users report: episodes that fail (a crashing agent program), a policy that stops calling
-tools or never answers, floods malformed or cut-off calls, answers with the question's words,
-repeats itself, or earns its reward from the format term instead of the task; an entropy collapse,
-a KL or clip-fraction spike, non-finite updates. Values over a whole iteration (all its steps,
-episodes or updates), so one bad episode does not alert. A ratio to the run's start cannot see a
-behaviour bad from the start, so those a policy can show from iteration 0 (no tool calls, no
-answers, cut-off or malformed actions, a paying format term, no learning signal) have absolute
-bounds too.
-
-Columns that do not exist are not invented: there is no per-step entropy of the sampled actions
-(the trainer's `train_metrics.entropy` is the policy's entropy on the trained tokens, the one used).
+Defaults let the demo recipe (configs/demo.yaml) train without an alert; each check names a failure
+RL users report, over a whole iteration so one bad episode does not alert. A ratio cannot see
+behaviour bad from the start, so what a policy can show from iteration 0 has an absolute bound too.
+What each watches and why: docs/guides/watch-your-agent.md.
 """
 
 from __future__ import annotations
