@@ -10,7 +10,7 @@ from pathlib import Path
 from agent_core.config import RewardConfig, RolloutConfig, WarmStartConfig
 from agent_core.data.oracle import TASK_ENV, OracleEngine, check_oracle_solved, rag_demonstrations
 from agent_core.devices import resolve_device
-from agent_core.drivers import roll_out
+from agent_core.drivers import DataAccess, roll_out
 from agent_core.envs.registry import env_tool_format
 from agent_core.io.checkpoints import load_policy, load_tokenizer, save_policy
 from agent_core.io.layout import RunLayout
@@ -54,8 +54,10 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     tool_prefix = f"{run.run_id}-warm-"  # the oracle's tool episodes (the naive_rag ones are "-rag-")
     engine = OracleEngine(tokenizer, prompts, tool_format=tool_format,
                           lazy_prompt_ids=frozenset(p.prompt_id for p in lazy))
+    # the corpus, as RL's rollouts get it: a program's search must see what the oracle's plan reads
     records = roll_out(engine, tokenizer, prompts, documents, rollout, seed=seed, policy_version=0,
-                       episode_prefix=tool_prefix, group_size=1)
+                       episode_prefix=tool_prefix, group_size=1,
+                       access=DataAccess(dataset.corpus_uri, str(run.data_root)))
     rag = random.Random(f"warm-start-rag:{seed}").sample(train, min(cfg.rag_prompts, len(train)))
     prompts += rag
     records += rag_demonstrations(tokenizer, rag, documents, top_k=top_k, episode_prefix=f"{run.run_id}-rag-")

@@ -3,7 +3,7 @@ query only and answers its second (the bridge entity); a one-query plan is playe
 lazy; `OracleEngine(lazy_prompt_ids=...)` plays only those prompts lazily, checked through the real
 agent loop, env and index. Config: unset, select_sql keeps every oracle episode (lazy ones score em 0);
 an explicit "em = 1" selection with lazy_fraction > 0 is refused. The warm start's `oracle_episodes` stage makes round(lazy_fraction x prompts) of its
-tool episodes lazy."""
+tool episodes lazy, and plays an agent program (env agent_program) against the run's corpus."""
 
 from __future__ import annotations
 
@@ -126,3 +126,41 @@ def test_oracle_episodes_make_the_lazy_fraction_of_tool_episodes_lazy(tmp_path):
     assert kinds.count("lazy") == 5 and kinds.count("ideal") == 5
     em = [r["em"] for r in read_table("rewards", rewards_uri).to_pylist() if r["em"] is not None]
     assert sorted(em) == [0.0] * 5 + [1.0] * 5
+
+
+def test_an_agent_programs_oracle_episodes_search_the_runs_corpus(tmp_path):
+    """The oracle playing an agent program (env agent_program) must see the corpus the run's rollouts
+    search: its demonstrations copy the bridge entity from the first search's result into the second
+    query, so a result that says "no document collection" teaches a policy to make the entity up."""
+    pytest.importorskip("openai")
+    from pathlib import Path
+    import sys
+
+    from agent_core.io.checkpoints import save_policy
+    from agent_core.io.layout import DataRoot
+    from agent_core.io.tables import read_table
+    from agent_core.training.model import build_tiny_policy
+    from tasks._common import read_corpus, split_prompts
+    from tasks.prepare_data import prepare_dataset
+    from tasks.warm_start import oracle_episodes
+
+    dataset = prepare_dataset.fn(str(tmp_path), DataConfig(num_films=24, num_people=20, num_cities=8, num_countries=4,
+                                                           comparison_fraction=0.0, three_hop_fraction=0.0))
+    train = {p.prompt_id: p for p in split_prompts(dataset, "train")}
+    tokenizer = build_tokenizer([d.text for d in read_corpus(dataset.corpus_uri)], vocab_size=400)
+    policy_dir = save_policy(build_tiny_policy(tokenizer, hidden_size=16, num_layers=1, num_heads=2,
+                                               intermediate_size=16), tokenizer, tmp_path / "policy")
+    agent = Path(__file__).resolve().parent.parent / "examples" / "openai_agent" / "agent.py"
+    rollout = RolloutConfig(env="agent_program", max_steps=4, max_new_tokens=64, max_context_tokens=4096,
+                            env_kwargs={"command": [sys.executable, str(agent), "--top-k", "1"], "timeout_s": 120})
+    steps_uri, _ = oracle_episodes.fn(DataRoot(tmp_path).run("program"), dataset,
+                                      WarmStartConfig(prompts=4, lazy_fraction=0.0), rollout, RewardConfig(),
+                                      str(policy_dir), seed=0)
+    steps = read_table("steps", steps_uri).to_pylist()
+    searched = [s for s in steps if not s["done"]]
+    assert len(searched) >= 4 and all("Doc 1 (" in s["observation_text"] for s in searched), \
+        [s["observation_text"] for s in searched]
+    for first in (s for s in searched if s["step_idx"] == 0):
+        queries, _ = oracle_plan(train[first["prompt_id"]])
+        if len(queries) > 1:  # the next query is the bridge entity the first result names
+            assert queries[1] in first["observation_text"], (queries, first["observation_text"])
