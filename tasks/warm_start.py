@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 from agent_core.config import RewardConfig, RolloutConfig, WarmStartConfig
-from agent_core.data.oracle import TASK_ENV, OracleEngine, check_oracle_solved, rag_demonstrations
+from agent_core.data.oracle import TASK_ENV, OracleEngine, check_oracle_solved, rag_demonstrations, unread_copies
 from agent_core.devices import resolve_device
 from agent_core.drivers import DataAccess, roll_out
 from agent_core.envs.registry import env_tool_format
@@ -58,6 +58,11 @@ def oracle_episodes(run: RunLayout, dataset: DatasetUris, cfg: WarmStartConfig, 
     records = roll_out(engine, tokenizer, prompts, documents, rollout, seed=seed, policy_version=0,
                        episode_prefix=tool_prefix, group_size=1,
                        access=DataAccess(dataset.corpus_uri, str(run.data_root)))
+    if unread := unread_copies(records, chosen):
+        episode, entity = unread[0]
+        log.warning("warm start: %d of the oracle's steps copy an entity no earlier result of their episode showed "
+                    "(e.g. %r in %s): the policy learns them as guesses. Does the env's search read the run's corpus?",
+                    len(unread), entity, episode)
     rag = random.Random(f"warm-start-rag:{seed}").sample(train, min(cfg.rag_prompts, len(train)))
     prompts += rag
     records += rag_demonstrations(tokenizer, rag, documents, top_k=top_k, episode_prefix=f"{run.run_id}-rag-")

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from agent_core.config import DataConfig, RewardConfig, RolloutConfig, WarmStartConfig
-from agent_core.data.oracle import OracleEngine, oracle_actions, oracle_plan
+from agent_core.data.oracle import OracleEngine, oracle_actions, oracle_plan, unread_copies
 from agent_core.data.synthetic import TEMPLATES, generate_synthetic_qa
 from agent_core.envs.formats import build_format
 from agent_core.envs.registry import EnvResources, make_env
@@ -84,6 +84,12 @@ def test_oracle_engine_plays_only_the_chosen_prompts_lazily(task):
         else:
             assert len(mine) == len(queries) + 1 and calls == list(queries)
             assert answer == gold and exact_match(answer, prompt.answers) == 1.0
+    # each copied entity (the next query, the answer) is in a result its episode read before ...
+    assert unread_copies(steps, prompts) == []
+    # ... and where the search read nothing, every copy is flagged: 1 per lazy episode, one per query else
+    blind = [dataclasses.replace(s, observation_text="Error: no document collection to search.") for s in steps]
+    copies = sum(1 if p.prompt_id in lazy_ids else len(oracle_plan(p)[0]) for p in prompts)
+    assert len(unread_copies(blind, prompts)) == copies > len(prompts)
 
 
 def test_lazy_fraction_and_the_episode_selection():
@@ -128,11 +134,15 @@ def test_oracle_episodes_make_the_lazy_fraction_of_tool_episodes_lazy(tmp_path):
     assert sorted(em) == [0.0] * 5 + [1.0] * 5
 
 
-def test_an_agent_programs_oracle_episodes_search_the_runs_corpus(tmp_path):
+@pytest.mark.parametrize("corpus", ["given", "withheld"])
+def test_an_agent_programs_oracle_episodes_search_the_runs_corpus(tmp_path, corpus, monkeypatch, caplog):
     """The oracle playing an agent program (env agent_program) must see the corpus the run's rollouts
     search: its demonstrations copy the bridge entity from the first search's result into the second
-    query, so a result that says "no document collection" teaches a policy to make the entity up."""
+    query, so a result that says "no document collection" teaches a policy to make the entity up.
+    Withheld (as before the fix), the stage says so."""
     pytest.importorskip("openai")
+    import tasks.warm_start
+    from agent_core.drivers import DataAccess
     from pathlib import Path
     import sys
 
@@ -153,11 +163,19 @@ def test_an_agent_programs_oracle_episodes_search_the_runs_corpus(tmp_path):
     agent = Path(__file__).resolve().parent.parent / "examples" / "openai_agent" / "agent.py"
     rollout = RolloutConfig(env="agent_program", max_steps=4, max_new_tokens=64, max_context_tokens=4096,
                             env_kwargs={"command": [sys.executable, str(agent), "--top-k", "1"], "timeout_s": 120})
+    if corpus == "withheld":
+        monkeypatch.setattr(tasks.warm_start, "DataAccess", lambda *args: DataAccess())
     steps_uri, _ = oracle_episodes.fn(DataRoot(tmp_path).run("program"), dataset,
                                       WarmStartConfig(prompts=4, lazy_fraction=0.0), rollout, RewardConfig(),
                                       str(policy_dir), seed=0)
     steps = read_table("steps", steps_uri).to_pylist()
     searched = [s for s in steps if not s["done"]]
+    warned = [r.getMessage() for r in caplog.records if "copy an entity no earlier result" in r.getMessage()]
+    if corpus == "withheld":
+        assert all("no document collection" in s["observation_text"] for s in searched)
+        assert len(warned) == 1 and warned[0].startswith(f"warm start: {len(searched)} of the oracle's steps"), warned
+        return
+    assert warned == []
     assert len(searched) >= 4 and all("Doc 1 (" in s["observation_text"] for s in searched), \
         [s["observation_text"] for s in searched]
     for first in (s for s in searched if s["step_idx"] == 0):

@@ -3,7 +3,8 @@
 `oracle_actions(prompt, tool_format)` gives an ideal episode's action texts (one search per name of
 `metadata["oracle_plan"]["queries"]`, then the answer); `OracleEngine` plays them through the real agent loop,
 so its episodes are a true steps table in the policy's tokenizer. It keeps no per-episode state: it finds the
-question and its own earlier actions in the context. `oracle_config_problems(config)` says why it cannot run.
+question and its own earlier actions in the context. `oracle_config_problems(config)` says why it cannot run;
+`unread_copies` finds demonstrations that copy a name no result they read showed.
 Design notes: docs/architecture.md §11 (agent_core/data/oracle.py).
 """
 
@@ -124,6 +125,26 @@ def check_oracle_solved(solved: int, ideal_episodes: int, env: str, cut_actions:
             f"the warm start's scripted oracle solved none of its {ideal_episodes} ideal episodes in env {env!r}: "
             f"its `search` calls (argument `query`) or its `<answer>` replies did not work there.{cut} An agent "
             f"program must offer that tool and return the text of the last <answer> tags; otherwise {_OTHER_FIXES}")
+
+
+def unread_copies(records: Sequence[StepRecord], prompts: Sequence[Prompt]) -> list[tuple[str, str]]:
+    """(episode id, entity) for each oracle step of a bridge question that copies an entity (the next
+    query, or the answer) that no earlier observation of its episode shows: a demonstration the policy
+    can only imitate as a guess (the env's or program's search did not read the run's corpus, or
+    returned another passage). `records`: the oracle's episodes."""
+    by_id = {p.prompt_id: p for p in prompts}
+    unread, seen = [], {}
+    for record in sorted(records, key=lambda r: (r.episode_id, r.step_idx)):
+        prompt = by_id.get(record.prompt_id)
+        if prompt is None or prompt.metadata.get("type", "bridge") != "bridge":
+            continue
+        queries, answer = oracle_plan(prompt)
+        copied = (*queries[1:], answer)
+        observed = seen.setdefault(record.episode_id, [])
+        if 1 <= record.step_idx <= len(copied) and copied[record.step_idx - 1] not in "".join(observed):
+            unread.append((record.episode_id, copied[record.step_idx - 1]))
+        observed.append(record.observation_text)
+    return unread
 
 
 def question_of(prompt: Prompt) -> str:
