@@ -9,20 +9,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from agent_core.config import DataConfig, RewardConfig, RolloutConfig, WarmStartConfig
 from agent_core.data.oracle import OracleEngine, oracle_actions, oracle_plan, unread_copies
 from agent_core.data.synthetic import TEMPLATES, generate_synthetic_qa
+from agent_core.drivers import DataAccess
 from agent_core.envs.formats import build_format
 from agent_core.envs.registry import EnvResources, make_env
 from agent_core.envs.search import Bm25Index
+from agent_core.io.checkpoints import save_policy
+from agent_core.io.layout import DataRoot
+from agent_core.io.tables import read_table
 from agent_core.rewards.qa import exact_match
 from agent_core.rollout.agent_loop import LoopSettings, run_episodes
 from agent_core.rollout.chat import eos_token_ids
 from agent_core.rollout.engine import SamplingParams
-from agent_core.training.model import build_tokenizer
+from agent_core.training.model import build_tiny_policy, build_tokenizer
+from tasks import warm_start
+from tasks._common import read_corpus, split_prompts
+from tasks.prepare_data import prepare_dataset
+from tasks.warm_start import oracle_episodes
 
 BRIDGES = [name for name, template in TEMPLATES.items() if template.type == "bridge"]
 READER = build_format("tag", [{"function": {"name": "search", "parameters": {
@@ -102,21 +112,19 @@ def test_lazy_fraction_and_the_episode_selection():
     assert WarmStartConfig(select_sql="select 1 as episode_id").selection_sql == "select 1 as episode_id"
 
 
-def test_oracle_episodes_make_the_lazy_fraction_of_tool_episodes_lazy(tmp_path):
-    from agent_core.io.checkpoints import save_policy
-    from agent_core.io.layout import DataRoot
-    from agent_core.io.tables import read_table
-    from agent_core.training.model import build_tiny_policy
-    from tasks._common import read_corpus, split_prompts
-    from tasks.prepare_data import prepare_dataset
-    from tasks.warm_start import oracle_episodes
-
+def _small_run(tmp_path, **data):
+    """A small synthetic dataset under `tmp_path`, its training prompts by id, and a tiny policy's folder."""
     dataset = prepare_dataset.fn(str(tmp_path), DataConfig(num_films=24, num_people=20, num_cities=8, num_countries=4,
-                                                           comparison_fraction=0.0))
+                                                           comparison_fraction=0.0, **data))
     train = {p.prompt_id: p for p in split_prompts(dataset, "train")}
     tokenizer = build_tokenizer([d.text for d in read_corpus(dataset.corpus_uri)], vocab_size=400)
     policy_dir = save_policy(build_tiny_policy(tokenizer, hidden_size=16, num_layers=1, num_heads=2,
                                                intermediate_size=16), tokenizer, tmp_path / "policy")
+    return dataset, train, policy_dir
+
+
+def test_oracle_episodes_make_the_lazy_fraction_of_tool_episodes_lazy(tmp_path):
+    dataset, train, policy_dir = _small_run(tmp_path)
     cfg = WarmStartConfig(prompts=10, rag_prompts=0, lazy_fraction=0.5)
     rollout = RolloutConfig(max_steps=6, max_new_tokens=96, max_context_tokens=4096)
     steps_uri, rewards_uri = oracle_episodes.fn(DataRoot(tmp_path).run("lazy"), dataset, cfg, rollout, RewardConfig(),
@@ -141,30 +149,12 @@ def test_an_agent_programs_oracle_episodes_search_the_runs_corpus(tmp_path, corp
     query, so a result that says "no document collection" teaches a policy to make the entity up.
     Withheld (as before the fix), the stage says so."""
     pytest.importorskip("openai")
-    import tasks.warm_start
-    from agent_core.drivers import DataAccess
-    from pathlib import Path
-    import sys
-
-    from agent_core.io.checkpoints import save_policy
-    from agent_core.io.layout import DataRoot
-    from agent_core.io.tables import read_table
-    from agent_core.training.model import build_tiny_policy
-    from tasks._common import read_corpus, split_prompts
-    from tasks.prepare_data import prepare_dataset
-    from tasks.warm_start import oracle_episodes
-
-    dataset = prepare_dataset.fn(str(tmp_path), DataConfig(num_films=24, num_people=20, num_cities=8, num_countries=4,
-                                                           comparison_fraction=0.0, three_hop_fraction=0.0))
-    train = {p.prompt_id: p for p in split_prompts(dataset, "train")}
-    tokenizer = build_tokenizer([d.text for d in read_corpus(dataset.corpus_uri)], vocab_size=400)
-    policy_dir = save_policy(build_tiny_policy(tokenizer, hidden_size=16, num_layers=1, num_heads=2,
-                                               intermediate_size=16), tokenizer, tmp_path / "policy")
+    dataset, train, policy_dir = _small_run(tmp_path, three_hop_fraction=0.0)
     agent = Path(__file__).resolve().parent.parent / "examples" / "openai_agent" / "agent.py"
     rollout = RolloutConfig(env="agent_program", max_steps=4, max_new_tokens=64, max_context_tokens=4096,
                             env_kwargs={"command": [sys.executable, str(agent), "--top-k", "1"], "timeout_s": 120})
     if corpus == "withheld":
-        monkeypatch.setattr(tasks.warm_start, "DataAccess", lambda *args: DataAccess())
+        monkeypatch.setattr(warm_start, "DataAccess", lambda *args: DataAccess())
     steps_uri, _ = oracle_episodes.fn(DataRoot(tmp_path).run("program"), dataset,
                                       WarmStartConfig(prompts=4, lazy_fraction=0.0), rollout, RewardConfig(),
                                       str(policy_dir), seed=0)
