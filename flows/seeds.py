@@ -5,7 +5,9 @@ For each seed: one base run warm-starts the policy (when the recipe has a warm s
 arm trains RL from that same policy, so the arms of a seed are paired. Each arm's run measures the
 greedy dev EM of the policy it starts from and after its last iteration (`dev_eval`). The table
 (markdown) and the numbers (JSON) go where `--out` says; `make smollm2-recipe` runs the SmolLM2
-recipe this way (docs/results.md, "A pretrained policy").
+recipe this way (docs/results.md, "A pretrained policy"). Run ids are fixed by `--name`, so the same
+command again resumes: finished runs are skipped, and each run's time is what its stages recorded
+when they ran (the cost ledger's seconds), not the seconds a skip took.
 
     python -m flows.seeds --config smollm2 --arm algos/grpo.yaml --arm algos/gigpo.yaml --seeds 0 1 2 \\
         --out docs/results/smollm2 [--data-root DIR] [--set KEY=VALUE ...]
@@ -24,6 +26,7 @@ from pathlib import Path
 from prefect import flow
 
 from agent_core.io.layout import DataRoot
+from agent_core.io.ledger import recorded_seconds
 from agent_core.validation import load_config
 from flows.configs_lookup import resolve_config
 from flows.train import start_policy, train
@@ -38,7 +41,7 @@ class SeedRun:
     run_id: str
     start_dev_em: float
     final_dev_em: float
-    seconds: float  # wall time of this arm's run (its RL iterations and dev evals)
+    seconds: float  # what this arm's run took: its stages' recorded seconds (RL iterations and dev evals)
 
 
 def _arm_name(config_file: str) -> str:
@@ -52,21 +55,20 @@ def seeds_flow(config_files: list[str], arm_files: list[str], seeds: list[int], 
     runs, warm_seconds = [], {}
     for seed in seeds:
         common = [*overrides, f"data_root={data_root}", f"seed={seed}"]
-        started = time.perf_counter()
         base = load_config(config_files, [*common, f"run_id={name}-s{seed}-base"])
-        _, start = start_policy(DataRoot(Path(data_root)).run(base.run_id), base)
-        warm_seconds[seed] = time.perf_counter() - started
+        base_run = DataRoot(Path(data_root)).run(base.run_id)
+        _, start = start_policy(base_run, base)
+        warm_seconds[seed] = recorded_seconds(base_run, 1)  # its init_policy, oracle episodes and warm start
         for arm_file in arm_files:
             arm = _arm_name(arm_file)
             config = load_config([*config_files, arm_file],
                                  [*common, "warm_start.enabled=false", "policy.source=path", f"policy.path={start}",
                                   f"run_id={name}-s{seed}-{arm}"])
             print(f"agentr1 seeds: seed {seed}, arm {arm} ({config.algorithm.estimator}), run {config.run_id}")
-            arm_started = time.perf_counter()
             result = train(config)
             final = next((s.dev_em for s in reversed(result.iterations) if s.dev_em == s.dev_em), float("nan"))
-            runs.append(SeedRun(arm, seed, config.run_id, result.start_dev_em, final,
-                                time.perf_counter() - arm_started))
+            seconds = recorded_seconds(DataRoot(Path(data_root)).run(config.run_id), config.iterations)
+            runs.append(SeedRun(arm, seed, config.run_id, result.start_dev_em, final, seconds))
     return runs, warm_seconds
 
 
@@ -80,7 +82,7 @@ def seeds_table(runs: list[SeedRun]) -> str:
     """Markdown: per arm, dev EM at the start and after RL and the gain (mean ± std over seeds),
     then every run."""
     arms = list(dict.fromkeys(run.arm for run in runs))
-    lines = ["| Arm | Seeds | Dev EM at start | Dev EM after RL | Gain | Gain - 1 std | Wall per run |",
+    lines = ["| Arm | Seeds | Dev EM at start | Dev EM after RL | Gain | Gain - 1 std | Time per run |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for arm in arms:
         mine = [run for run in runs if run.arm == arm]
@@ -89,7 +91,7 @@ def seeds_table(runs: list[SeedRun]) -> str:
         lines.append(f"| {arm} | {len(mine)} | {_mean_std([r.start_dev_em for r in mine])} | "
                      f"{_mean_std([r.final_dev_em for r in mine])} | {_mean_std(gains)} | {margin:+.3f} | "
                      f"{statistics.mean(r.seconds for r in mine) / 60:.1f} min |")
-    lines += ["", "| Run | Seed | Start | After RL | Gain | Wall |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| Run | Seed | Start | After RL | Gain | Time |", "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r.run_id} | {r.seed} | {r.start_dev_em:.3f} | {r.final_dev_em:.3f} | "
               f"{r.final_dev_em - r.start_dev_em:+.3f} | {r.seconds / 60:.1f} min |" for r in runs]
     return "\n".join(lines) + "\n"
@@ -117,8 +119,9 @@ def main(argv: list[str]) -> int:
     table = seeds_table(runs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table + f"\nWall time: {wall / 60:.1f} min in total (warm starts "
-                                      f"{sum(warm.values()) / 60:.1f} min).\n")
+    out.with_suffix(".md").write_text(
+        table + f"\nTime per run: the run's stage seconds as recorded when they ran (the cost ledger's). "
+        f"Warm starts: {sum(warm.values()) / 60:.1f} min in all. This command's wall time: {wall / 60:.1f} min.\n")
     out.with_suffix(".json").write_text(json.dumps(
         {"configs": args.config, "arms": args.arm, "seeds": args.seeds, "overrides": args.overrides,
          "wall_seconds": wall, "warm_start_seconds": warm, "runs": [asdict(run) for run in runs]}, indent=2) + "\n")

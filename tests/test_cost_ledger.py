@@ -18,7 +18,7 @@ import pytest
 
 from agent_core.config import ConfigError
 from agent_core.io.layout import DataRoot
-from agent_core.io.ledger import ITERATION_STAGES, STEP_COSTS_SQL, ledger_uri
+from agent_core.io.ledger import ITERATION_STAGES, STEP_COSTS_SQL, ledger_uri, recorded_seconds
 from agent_core.io.manifests import read_manifest
 from agent_core.io.query import QueryError, run_query
 from agent_core.io.readonly_sql import ReadOnlyCatalog, TableFile
@@ -76,6 +76,8 @@ def test_the_ledger_view_sums_to_the_recorded_stage_timings(priced_run):
     recorded += sum(read_manifest(run.manifest_path(stage)).metrics["seconds"] for stage in ("init_policy", "dev_eval"))
     total = run_query(root.path, "select sum(wall_seconds) as s from ledger").column("s")[0].as_py()
     assert total == pytest.approx(recorded, abs=1e-5)
+    assert recorded_seconds(run, config.iterations) == pytest.approx(total, abs=1e-5)  # flows/seeds.py's run time
+    assert recorded_seconds(run, 1) < total  # it sums only the iterations asked for
 
 
 @pytest.mark.slow  # trains the tiny run once per module (~40 s on 2 cores)

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from agent_core.io.layout import DataRoot
+from agent_core.io.ledger import recorded_seconds
 from flows.seeds import SeedRun, main, seeds_table
 from tests.conftest import REPO_ROOT
 
@@ -29,10 +31,10 @@ def test_an_unknown_config_is_one_line_and_exit_2(tmp_path, capsys):
 @pytest.mark.slow
 def test_two_seeds_share_a_start_policy_per_seed_and_write_the_table(tmp_path):
     out = tmp_path / "out" / "tiny"
-    code = main(["--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "--arm", "algos/grpo.yaml",
-                 "--arm", "algos/rloo.yaml", "--seeds", "0", "1", "--name", "t", "--data-root", str(tmp_path / "data"),
-                 "--out", str(out), "--set", "iterations=1", "--set", "dev_eval.prompts=2"])
-    assert code == 0
+    command = ["--config", str(REPO_ROOT / "configs" / "tiny.yaml"), "--arm", "algos/grpo.yaml",
+               "--arm", "algos/rloo.yaml", "--seeds", "0", "1", "--name", "t", "--data-root", str(tmp_path / "data"),
+               "--set", "iterations=1", "--set", "dev_eval.prompts=2"]
+    assert main([*command, "--out", str(out)]) == 0
     numbers = json.loads(out.with_suffix(".json").read_text())
     runs = numbers["runs"]
     assert [(r["arm"], r["seed"]) for r in runs] == [("grpo", 0), ("rloo", 0), ("grpo", 1), ("rloo", 1)]
@@ -43,4 +45,18 @@ def test_two_seeds_share_a_start_policy_per_seed_and_write_the_table(tmp_path):
     # the arms of one seed start from the same policy: the same start EM
     assert runs[0]["start_dev_em"] == runs[1]["start_dev_em"] and runs[2]["start_dev_em"] == runs[3]["start_dev_em"]
     table = out.with_suffix(".md").read_text()
-    assert "| grpo | 2 |" in table and "| rloo | 2 |" in table and "Wall time:" in table
+    assert "| grpo | 2 |" in table and "| rloo | 2 |" in table and "wall time:" in table
+    for run in runs:  # a run's time is its stages' recorded seconds
+        assert run["seconds"] == pytest.approx(
+            recorded_seconds(DataRoot(tmp_path / "data").run(run["run_id"]), 1), abs=1e-6) and run["seconds"] > 0
+    # The same command again resumes: every run is skipped, and the table keeps the times they took
+    # when they ran (a wall clock around the skip would report a fraction of them).
+    again = tmp_path / "again" / "tiny"
+    assert main([*command, "--out", str(again)]) == 0
+    rerun = json.loads(again.with_suffix(".json").read_text())
+    assert [r["run_id"] for r in rerun["runs"]] == [r["run_id"] for r in runs]
+    for first, second in zip(runs, rerun["runs"]):
+        assert second["seconds"] == pytest.approx(first["seconds"], abs=1e-6)
+        assert (second["start_dev_em"], second["final_dev_em"]) == (first["start_dev_em"], first["final_dev_em"])
+    assert rerun["warm_start_seconds"] == pytest.approx(numbers["warm_start_seconds"], abs=1e-6)
+    assert rerun["wall_seconds"] < sum(r["seconds"] for r in runs)  # it did skip: it took less than the runs did

@@ -65,21 +65,31 @@ def _stage_paths(run: RunLayout, iteration: int) -> list[tuple[str, Path]]:
     return paths
 
 
-def ledger_rows(run: RunLayout, iteration: int, algorithm: str, device: DeviceUse, cost: CostConfig) -> list[LedgerRow]:
-    """One row per stage of `iteration` with a committed manifest that holds its seconds (a stage that
-    did not run, e.g. dev_eval between evaluations, has none)."""
-    price = cost.price_per_hour(device.kind)
-    rows = []
+def stage_seconds(run: RunLayout, iteration: int) -> list[tuple[str, float]]:
+    """(stage, seconds) for each stage of `iteration` with a committed manifest that holds its seconds
+    (a stage that did not run, e.g. dev_eval between evaluations, has none)."""
+    found = []
     for stage, path in _stage_paths(run, iteration):
         manifest = read_manifest(path)
         seconds = None if manifest is None else manifest.metrics.get("seconds")
         if stage == "train":  # its manifest may still be queued behind a background save (tasks/train.py)
             seconds = _train_span(run, iteration, seconds)
-        if seconds is None:
-            continue
-        rows.append(LedgerRow(stage, algorithm, device.kind, device.count, seconds, seconds * device.count,
-                              price, cost.currency))
-    return rows
+        if seconds is not None:
+            found.append((stage, seconds))
+    return found
+
+
+def recorded_seconds(run: RunLayout, iterations: int) -> float:
+    """What the stages of iterations 0..iterations-1 (and the run's own, booked to 0) took when they
+    ran: the same after a resume that skipped them. Overlapping stages (runtime.max_staleness) both count."""
+    return sum(seconds for k in range(max(iterations, 1)) for _, seconds in stage_seconds(run, k))
+
+
+def ledger_rows(run: RunLayout, iteration: int, algorithm: str, device: DeviceUse, cost: CostConfig) -> list[LedgerRow]:
+    """One row per stage of `iteration` that recorded its seconds (`stage_seconds`)."""
+    price = cost.price_per_hour(device.kind)
+    return [LedgerRow(stage, algorithm, device.kind, device.count, seconds, seconds * device.count, price,
+                      cost.currency) for stage, seconds in stage_seconds(run, iteration)]
 
 
 def _train_span(run: RunLayout, iteration: int, recorded: float | None) -> float | None:
