@@ -33,7 +33,7 @@ import torch
 
 from agent_core.algos.step_advantages import StepRewardRow, estimate_step_advantages, prepare_episodes
 from agent_core.config import AlgorithmConfig, RewardConfig, RolloutConfig, TrainerConfig
-from agent_core.drivers import roll_out
+from agent_core.drivers import DataAccess, roll_out
 from agent_core.episodes import episodes_from_rows
 from agent_core.rewards.labelling import StepOutcome, label_steps
 from agent_core.rollout.hf_engine import HFEngine
@@ -97,7 +97,8 @@ def rollout(model, tokenizer, task, cfg: RolloutConfig, prompts: int, seed: int,
                                  release=lease.release if lease is not None else None)
     try:
         return roll_out(engine, tokenizer, task.prompts[:prompts], task.documents, cfg, seed=seed,
-                        policy_version=0, episode_prefix="gpu-", spec=RolloutSpec.from_config(cfg))
+                        policy_version=0, episode_prefix="gpu-", spec=RolloutSpec.from_config(cfg),
+                        access=DataAccess())
     finally:
         engine.close()
 

@@ -45,7 +45,7 @@ from bench.common import Goal, Measurement, Progress, base_parser, parse_args, s
 from bench.workload import (
     POLICY_SIZES, rollout_config, save_policy_dir, synthetic_task, tiny_policy,
 )
-from agent_core.drivers import roll_out
+from agent_core.drivers import DataAccess, roll_out
 
 NAME = "rollout"
 TITLE = "Rollout: agent loop vs raw engine"
@@ -135,7 +135,7 @@ def one_round(engine, tokenizer, task, cfg, args, progress: Progress) -> dict:
     timings = RolloutTimings()
     started = time.perf_counter()
     records = roll_out(recorder, tokenizer, prompts, task.documents, cfg, seed=args.seed, policy_version=0,
-                       episode_prefix="bench-", timings=timings)
+                       episode_prefix="bench-", timings=timings, access=DataAccess())
     loop_seconds = time.perf_counter() - started
     loop_tokens = sum(len(r.response_ids) for r in records)
     generate_seconds = recorder.busy_seconds()
@@ -176,7 +176,7 @@ def measure_engine(name: str, policy_dir: Path, tokenizer, task, args, progress:
     try:
         warm = rollout_config(group_size=1, max_steps=1, **sizes)
         roll_out(engine, tokenizer, task.prompts[:1], task.documents, warm, seed=args.seed, policy_version=0,
-                 episode_prefix="warmup-")
+                 episode_prefix="warmup-", access=DataAccess())
         rounds = []
         for r in range(args.repeats):
             progress(f"{name}: round {r + 1}/{args.repeats}")

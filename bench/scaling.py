@@ -39,7 +39,7 @@ from agent_core.training.settings import PPOSettings
 from agent_core.training.trainer import make_optimizer, train_iteration
 from bench.common import Goal, Measurement, Progress, base_parser, parse_args, write_result
 from bench.workload import POLICY_SIZES, fresh_copy, rollout_config, synthetic_task, tiny_policy
-from agent_core.drivers import roll_out
+from agent_core.drivers import DataAccess, roll_out
 
 NAME = "scaling"
 TITLE = "Scaling: iteration time vs episodes and vs steps per episode"
@@ -99,7 +99,7 @@ def one_iteration(base_model, tokenizer, task, args, episodes: int, steps: int) 
     engine = HFEngine.configured(model, tokenizer, cfg.hf, max_batch_size=64)  # as the engine factory builds it
     started = time.perf_counter()
     records = roll_out(engine, tokenizer, task.prompts[: episodes // args.group_size], task.documents, cfg,
-                       seed=args.seed, policy_version=0, episode_prefix="bench-")
+                       seed=args.seed, policy_version=0, episode_prefix="bench-", access=DataAccess())
     rollout_seconds = time.perf_counter() - started
     reused = engine.sessions.reused_tokens if engine.sessions is not None else 0  # context tokens not prefilled
     rows = choose_layout(train_steps(records, args.seed), "auto")

@@ -157,14 +157,24 @@ def test_a_first_request_over_the_context_fails_naming_the_numbers(engine, token
     # a run's first rollout runs one episode alone first, and stops there (no other program starts)
     with pytest.raises(PreflightError, match=r"preflight: the first episode \(r-i0-q0-s0\) failed before any call: "
                                              r".*the prompt is \d+ tokens.*context of 16 tokens"):
-        roll_out(engine, tokenizer, _prompts(), DOCUMENTS, cfg, seed=5, episode_prefix="r-i0-", preflight=True)
+        roll_out(engine, tokenizer, _prompts(), DOCUMENTS, cfg, seed=5, episode_prefix="r-i0-", preflight=True,
+                 access=DataAccess())
 
 
 def test_the_preflight_episode_is_one_of_the_rollouts_episodes_when_it_works(engine, tokenizer):
     cfg = _cfg([sys.executable, "-c", ONE_CALL, "answer"])
-    records = roll_out(engine, tokenizer, _prompts(), DOCUMENTS, cfg, seed=5, episode_prefix="r-i0-", preflight=True)
+    records = roll_out(engine, tokenizer, _prompts(), DOCUMENTS, cfg, seed=5, episode_prefix="r-i0-", preflight=True,
+                       access=DataAccess())
     assert [r.episode_id for r in records] == [f"r-i0-q{p}-s{k}" for p in range(2) for k in range(2)]
     assert all(r.termination == "answered" for r in records)
+
+
+def test_a_rollout_without_saying_what_its_programs_may_read_does_not_start(engine, tokenizer):
+    # The warm start once ran its programs with no corpus by leaving `access` out; now leaving it out
+    # is an error, and a rollout without the corpus says so (`DataAccess()`).
+    cfg = _cfg([sys.executable, "-c", ONE_CALL, "answer"])
+    with pytest.raises(TypeError, match="access"):
+        roll_out(engine, tokenizer, _prompts(1), DOCUMENTS, cfg, seed=5)
 
 
 def test_an_answer_printed_after_a_budget_refusal_is_scored(engine, tokenizer):

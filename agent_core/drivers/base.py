@@ -58,15 +58,16 @@ DRIVERS: Registry[RolloutDriver] = Registry("rollout driver")
 def roll_out(engine: Engine, tokenizer, prompts: Sequence[Prompt], documents: Sequence[Document],
              rollout: RolloutConfig, *, seed: int, policy_version: int = 0, episode_prefix: str = "",
              spec: RolloutSpec | None = None, group_size: int | None = None,
-             timings: RolloutTimings | None = None, access: DataAccess | None = None,
-             preflight: bool = False) -> list[StepRecord]:
+             timings: RolloutTimings | None = None, access: DataAccess, preflight: bool = False) -> list[StepRecord]:
     """Episodes of `prompts` (group_size each, default the spec's) in `rollout`'s envs: each prompt
     goes to the driver its env names; the drivers run in name order, so their steps come driver by
-    driver, in each driver's episode order. `spec` defaults to `RolloutSpec.from_config(rollout)`."""
+    driver, in each driver's episode order. `spec` defaults to `RolloutSpec.from_config(rollout)`.
+    `access` has no default: a caller that runs agent programs without the run's corpus
+    (`DataAccess()`) says so, since their search then finds nothing and nothing else fails."""
     request = RolloutRequest(engine, tokenizer, documents, rollout,
                              RolloutSpec.from_config(rollout) if spec is None else spec, seed, policy_version,
                              episode_prefix, group_size, RolloutTimings() if timings is None else timings,
-                             DataAccess() if access is None else access, preflight)
+                             access, preflight)
     by_driver: dict[str, list[Prompt]] = {}
     for prompt in prompts:
         by_driver.setdefault(env_driver(request.env_of(prompt)[0]), []).append(prompt)
