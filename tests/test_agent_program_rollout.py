@@ -48,6 +48,8 @@ ONE_CALL = textwrap.dedent("""
     mode = sys.argv[1]
     if mode == "answer":
         print(json.dumps({"answer": "Ana Kowalski"}))
+    elif mode == "blank":  # out of turns with no answer, as the example agent prints then
+        print(json.dumps({"answer": " "}))
     elif mode == "garbage":
         print("I think it is Ana")
     elif mode == "crash":
@@ -119,6 +121,23 @@ def test_the_programs_answer_reaches_the_scorer(engine, tokenizer):
     rewards = label_steps(outcomes, {"q0": ["Ana Kowalski"], "q1": ["Ana Kowalski"]}, scorer="qa_em", format_weight=0.0)
     assert [r.em for r in rewards] == [1.0] * 4
     assert all(r.history == "start" and r.termination == "answered" for r in records)
+
+
+def test_a_blank_answer_is_no_answer_and_earns_no_format_reward(engine, tokenizer, tmp_path):
+    # The example agent prints {"answer": ""} when its --max-turns ran out on a tool call. Scored as
+    # an answer, that earned the format reward of a wrong answer for searching on without answering.
+    scored = {}
+    for mode in ("blank", "answer"):
+        records = _roll(engine, tokenizer, _cfg([sys.executable, "-c", ONE_CALL, mode]), prompts=_prompts(1))
+        outcomes = [StepOutcome(r.episode_id, r.group_id, r.prompt_id, r.sample_idx, r.step_idx, r.env_reward, r.done,
+                                r.termination, r.info) for r in records]
+        scored[mode] = label_steps(outcomes, {"q0": ["Ana Kowalski"]}, scorer="qa_em", format_weight=0.1)
+        if mode == "blank":
+            assert [(r.termination, r.truncated) for r in records] == [("max_steps", True)] * 2
+            assert all(json.loads(r.info)["unanswered"] == "the program printed a blank answer" for r in records)
+            _table(records, tmp_path)  # a valid steps table: truncated iff a budget's termination
+    assert [r.format_score for r in scored["blank"]] == [0.0, 0.0] and [r.reward for r in scored["blank"]] == [0.0, 0.0]
+    assert [r.format_score for r in scored["answer"]] == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("mode, reason", [("crash", "exit code 1: the agent fell over"),

@@ -3,7 +3,7 @@
 Step k is call k; its `history` ("appended" or "rewritten") says how its prompt relates to step k-1's
 (schemas/steps.py). How the episode ended goes on its last step, as for any env: "answered" (answer in
 info["answer"]; also after a budget refusal, info["refused"]), a budget's truncation when the program
-printed no answer, or "error" (reason in info["error"]). A program that failed before making any call
+printed no answer or a blank one ("max_steps" when no request was refused), or "error" (reason in info["error"]). A program that failed before making any call
 leaves one step with no action (`records.no_action_step`): it is counted, never trained on.
 Design notes: docs/architecture.md §11 (agent_core/gateway/steps.py).
 """
@@ -41,14 +41,18 @@ def history_of(prompt_ids: list[int], previous: GatewayCall | StepRecord | None)
 
 
 def termination_of(calls: EpisodeCalls, end: EpisodeEnd) -> tuple[str, dict[str, Any]]:
-    """(termination, what the last step's info gets) for an episode that made calls."""
+    """(termination, what the last step's info gets) for an episode that made calls. A blank answer
+    is no answer: the program stopped without one (its own turn limit, e.g. the example agent's
+    --max-turns), which ends the episode as the loop's step budget would, never as an answer that
+    earns the format reward."""
     if end.failure is not None:
         return "error", {"error": end.failure}
-    if calls.budget_hit is not None and end.answer is None:
-        return calls.budget_hit, {}
+    if end.answer is None or not end.answer.strip():
+        blank = {} if end.answer is None else {"unanswered": "the program printed a blank answer"}
+        return calls.budget_hit or "max_steps", blank
     # an answer printed after a refusal is the agent's answer, scored like any other
     refused = {} if calls.budget_hit is None else {"refused": calls.budget_hit}
-    return "answered", {"answer": end.answer if end.answer is not None else "", **refused}
+    return "answered", {"answer": end.answer, **refused}
 
 
 def steps_from_calls(identity: EpisodeIdentity, calls: EpisodeCalls, end: EpisodeEnd,
