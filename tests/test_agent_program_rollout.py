@@ -140,11 +140,13 @@ def test_a_blank_answer_is_no_answer_and_earns_no_format_reward(engine, tokenize
     assert [r.format_score for r in scored["answer"]] == [1.0, 1.0]
 
 
-@pytest.mark.parametrize("mode, reason", [("crash", "exit code 1: the agent fell over"),
-                                          ("garbage", "no JSON answer on the last stdout line"),
-                                          ("hang", "timed out after 2 s")])
-def test_a_failing_program_is_a_failed_episode_with_its_reason(engine, tokenizer, tmp_path, mode, reason):
-    cfg = _cfg([sys.executable, "-c", ONE_CALL, mode], timeout_s=2.0)
+# Only the hang waits for its timeout; the others get room to start and call on a loaded machine
+# (a 2 s limit once timed out a crash before it crashed, under a parallel job on 2 cores).
+@pytest.mark.parametrize("mode, reason, timeout_s", [("crash", "exit code 1: the agent fell over", 60.0),
+                                                     ("garbage", "no JSON answer on the last stdout line", 60.0),
+                                                     ("hang", "timed out after 6 s", 6.0)])
+def test_a_failing_program_is_a_failed_episode_with_its_reason(engine, tokenizer, tmp_path, mode, reason, timeout_s):
+    cfg = _cfg([sys.executable, "-c", ONE_CALL, mode], timeout_s=timeout_s)
     records = _roll(engine, tokenizer, cfg, prompts=_prompts(1))
     steps = _table(records, tmp_path)
     assert steps.column("termination").to_pylist() == ["error", "error"]
