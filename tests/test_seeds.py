@@ -58,5 +58,5 @@ def test_two_seeds_share_a_start_policy_per_seed_and_write_the_table(tmp_path):
     for first, second in zip(runs, rerun["runs"]):
         assert second["seconds"] == pytest.approx(first["seconds"], abs=1e-6)
         assert (second["start_dev_em"], second["final_dev_em"]) == (first["start_dev_em"], first["final_dev_em"])
+    # equal to the microsecond: had a stage run again, its manifest would hold the new run's seconds
     assert rerun["warm_start_seconds"] == pytest.approx(numbers["warm_start_seconds"], abs=1e-6)
-    assert rerun["wall_seconds"] < sum(r["seconds"] for r in runs)  # it did skip: it took less than the runs did
