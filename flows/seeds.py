@@ -53,10 +53,11 @@ def seeds_flow(config_files: list[str], arm_files: list[str], seeds: list[int], 
                overrides: list[str]) -> tuple[list[SeedRun], dict[int, float]]:
     """Train every arm from every seed's start policy; the runs and each seed's warm-start seconds."""
     runs, warm_seconds = [], {}
+    root = DataRoot(Path(data_root))
     for seed in seeds:
         common = [*overrides, f"data_root={data_root}", f"seed={seed}"]
         base = load_config(config_files, [*common, f"run_id={name}-s{seed}-base"])
-        base_run = DataRoot(Path(data_root)).run(base.run_id)
+        base_run = root.run(base.run_id)
         _, start = start_policy(base_run, base)
         warm_seconds[seed] = recorded_seconds(base_run, 1)  # its init_policy, oracle episodes and warm start
         for arm_file in arm_files:
@@ -67,7 +68,7 @@ def seeds_flow(config_files: list[str], arm_files: list[str], seeds: list[int], 
             print(f"agentr1 seeds: seed {seed}, arm {arm} ({config.algorithm.estimator}), run {config.run_id}")
             result = train(config)
             final = next((s.dev_em for s in reversed(result.iterations) if s.dev_em == s.dev_em), float("nan"))
-            seconds = recorded_seconds(DataRoot(Path(data_root)).run(config.run_id), config.iterations)
+            seconds = recorded_seconds(root.run(config.run_id), config.iterations)
             runs.append(SeedRun(arm, seed, config.run_id, result.start_dev_em, final, seconds))
     return runs, warm_seconds
 

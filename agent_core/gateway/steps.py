@@ -3,8 +3,9 @@
 Step k is call k; its `history` ("appended" or "rewritten") says how its prompt relates to step k-1's
 (schemas/steps.py). How the episode ended goes on its last step, as for any env: "answered" (answer in
 info["answer"]; also after a budget refusal, info["refused"]), a budget's truncation when the program
-printed no answer or a blank one ("max_steps" when no request was refused), or "error" (reason in info["error"]). A program that failed before making any call
-leaves one step with no action (`records.no_action_step`): it is counted, never trained on.
+printed no answer or a blank one ("max_steps" when no request was refused), or "error" (reason in
+info["error"]). A program that failed before making any call leaves one step with no action
+(`records.no_action_step`): it is counted, never trained on.
 Design notes: docs/architecture.md §11 (agent_core/gateway/steps.py).
 """
 
