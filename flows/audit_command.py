@@ -14,6 +14,7 @@ import yaml
 from agent_core.audit import audit_iterations
 from agent_core.config import AuditConfig, PipelineConfig
 from agent_core.envs.registry import env_offers_tools
+from agent_core.safe_yaml import load_yaml
 from agent_core.validation import build_config
 from flows.configs_lookup import recorded_config
 
@@ -46,7 +47,7 @@ def with_checks_from(config: PipelineConfig, path: Path) -> AuditConfig:
     if not path.is_file():
         raise FileNotFoundError(f"--checks {path}: no such file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text(), f"--checks {path}")
     except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise ValueError(f"--checks {path}: not YAML ({' '.join(str(error).split())})") from None
     if isinstance(data, dict) and set(data) == {"audit"}:

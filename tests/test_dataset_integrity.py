@@ -1,10 +1,14 @@
 """Dataset tables have a manifest with their SHA-256 like run tables (issue 39 item 7): a corpus or
 prompts table edited by hand into other valid Parquet is named in one line when the dataset is
 reused and rebuilt from its source (the edited file kept aside), never used; a dataset prepared
-before dataset manifests gets one on first reuse, after its content is checked."""
+before dataset manifests gets one on first reuse, after its content is checked. The manifest alone
+is never trusted (issue 55 item 6): an edited table with its manifest edited to match is caught by
+comparing the tables with a fresh build, which the dataset id pins."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -43,6 +47,15 @@ def _manifest(root: Path, uris) -> Path:
     return DataRoot(root).dataset_dir(uris.dataset_id) / "_manifests" / "prepare_dataset.json"
 
 
+def _forge_manifest(manifest: Path, table: Path) -> None:
+    """What the attack did: the edited table's SHA-256 and size written into the dataset's manifest."""
+    data = json.loads(manifest.read_text())
+    name = "corpus" if table.name == "corpus.parquet" else "dataset_prompts"
+    data["output_fingerprints"][name] = hashlib.sha256(table.read_bytes()).hexdigest()
+    data["output_sizes"][name] = table.stat().st_size
+    manifest.write_text(json.dumps(data))
+
+
 @pytest.mark.parametrize("table", ["corpus", "prompts"])
 def test_an_edited_table_is_named_in_one_line_and_rebuilt(prepared, table, caplog):
     root, uris, files, pristine = prepared
@@ -59,6 +72,21 @@ def test_an_edited_table_is_named_in_one_line_and_rebuilt(prepared, table, caplo
     with caplog.at_level(logging.INFO):
         prepare_dataset.fn(str(root), DATA)
     assert _warnings(caplog) == []  # rebuilt once, then reused
+
+
+@pytest.mark.parametrize("table", ["corpus", "prompts"])
+def test_an_edited_table_with_its_manifest_edited_to_match_is_still_rebuilt(prepared, table, caplog):
+    root, uris, files, pristine = prepared
+    _halve(files[table])
+    _forge_manifest(_manifest(root, uris), files[table])
+    assert prepare_dataset.fn(str(root), DATA) == uris  # the manifest vouched for the half
+    said = _warnings(caplog)
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert f"{table}.parquet changed since it was prepared (its manifest edited to match)" in said[0], said
+    assert {name: path.read_bytes() for name, path in files.items()} == pristine
+    caplog.clear()
+    prepare_dataset.fn(str(root), DATA)
+    assert _warnings(caplog) == []  # the manifest rewritten by the rebuild: reused from here on
 
 
 def test_an_intact_dataset_is_reused_without_a_word_or_a_write(prepared, caplog):
@@ -92,8 +120,10 @@ def test_a_dataset_prepared_before_manifests_and_edited_is_rebuilt_not_blessed(p
 
 
 @pytest.mark.slow
-def test_a_resume_names_a_halved_corpus_and_trains_as_before(tmp_path, caplog):
-    """The attack as tried: a finished run, its dataset's corpus halved, `agentr1 resume`."""
+@pytest.mark.parametrize("forge", [False, True], ids=["manifest-kept", "manifest-forged"])
+def test_a_resume_names_a_halved_corpus_and_trains_as_before(tmp_path, caplog, forge):
+    """The attack as tried: a finished run, its dataset's corpus halved (issue 39), and its manifest
+    given the halved file's SHA-256 and size (issue 55: resume redid the rollout on the half), `agentr1 resume`."""
     config = str(REPO_ROOT / "configs" / "tiny.yaml")
     overrides = ["--set", "dev_eval.every=0", "--set", "iterations=1"]
     assert cli_main(["train", "--config", config, "--run-id", "r1", "--data-root", str(tmp_path), *overrides]) == 0
@@ -101,6 +131,8 @@ def test_a_resume_names_a_halved_corpus_and_trains_as_before(tmp_path, caplog):
     manifests = {p: p.stat().st_mtime_ns for p in run.run_dir.glob("**/_manifests/*.json")}
     corpus = next((tmp_path / "datasets").glob("*/corpus.parquet"))
     _halve(corpus)
+    if forge:
+        _forge_manifest(corpus.parent / "_manifests" / "prepare_dataset.json", corpus)
     caplog.clear()
     with caplog.at_level(logging.INFO):  # Prefect's console handler writes the same lines to the terminal
         assert cli_main(["resume", "--run-id", "r1", "--data-root", str(tmp_path)]) == 0

@@ -7,6 +7,7 @@ log_iteration manifest, a dev_eval table written by the real writer): no trainin
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 from contextlib import closing
@@ -19,6 +20,7 @@ from agent_core.io.run_status import record_run_end
 from agent_core.io.tables import write_table
 from flows.cli import main as cli_main
 from tests.test_schemas import steps_rows
+from tests.test_yaml_limits import bomb
 
 HEADER = ["run", "status", "iterations", "dev", "EM", "failed", "episodes", "algorithm"]
 
@@ -55,6 +57,12 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _link_to_dev_zero(path: Path) -> None:
+    """A run file made a link to /dev/zero (issue 55 item 9): read, it never ends (6.8 GB before)."""
+    path.unlink()
+    path.symlink_to("/dev/zero")
+
+
 NO_CONFIG = ["m-bad", "finished", "2/?", "0.500", "1/2", "?"]
 # damage -> (the file its one line names, the row still listed: `?` where the damage hides a value)
 DAMAGE = {
@@ -66,9 +74,13 @@ DAMAGE = {
     "config not YAML": (lambda run: run.config_path.write_text("iterations: [\n"), "config.yaml", NO_CONFIG),
     "iterations not a number": (lambda run: run.config_path.write_text("iterations: [1]\nalgorithm: {estimator: grpo}\n"),
                                 "config.yaml", ["m-bad", "finished", "2/?", "0.500", "1/2", "grpo"]),
+    "config a link to /dev/zero": (lambda run: _link_to_dev_zero(run.config_path), "config.yaml", NO_CONFIG),
+    "config an alias bomb": (lambda run: run.config_path.write_text(bomb()), "config.yaml", NO_CONFIG),
     # a damaged end record reads as killed (tests/test_corrupt_resume.py), now with its line
     "status of a list": (lambda run: run.status_path.write_text('{"status": ["x"]}'), "status.json",
                          ["m-bad", "killed", "2/3", "0.500", "1/2", "grpo"]),
+    "status a link to /dev/zero": (lambda run: _link_to_dev_zero(run.status_path), "status.json",
+                                   ["m-bad", "killed", "2/3", "0.500", "1/2", "grpo"]),
 }
 
 
@@ -130,3 +142,23 @@ def test_control_characters_of_a_recorded_error_are_not_printed_raw(root, capsys
     assert cli_main(["runs", "--data-root", str(root.path)]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "boom \\x1b[2J" in out, out
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+@pytest.mark.timeout(60)  # a FIFO read waits for a writer: were it read, the test would hang until here
+@pytest.mark.parametrize("make, said", [
+    (_link_to_dev_zero, "m-bad: config.yaml not read: a symbolic link (to /dev/zero), not followed"),
+    (_fifo, "m-bad: config.yaml not read: not a regular file"),
+    (lambda path: path.write_bytes(b"#" * (2 << 20)),
+     "m-bad: config.yaml not read: 2,097,152 bytes, more than 1,048,576"),
+], ids=["link-to-dev-zero", "fifo", "2-mb"])
+def test_a_config_that_is_no_small_regular_file_is_listed_without_reading_it(root, capsys, make, said):
+    make(root.run("m-bad").config_path)
+    assert cli_main(["runs", "--data-root", str(root.path)]) == 1
+    out, err = capsys.readouterr()
+    assert _listed(out)["m-bad"] == NO_CONFIG, out
+    assert err.strip().splitlines() == [f"agentr1: runs: {said}"], err

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from agent_core.config.pipeline import PipelineConfig
 from agent_core.config_errors import ConfigError, Problem, config_error, validation_problems
+from agent_core.safe_yaml import YamlLimitError, load_yaml
 
 
 log = logging.getLogger(__name__)
@@ -85,37 +86,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        shown = item if len(item) <= 60 else item[:57] + "..."
         try:
-            value = yaml.safe_load(raw)
+            value = load_yaml(raw, f"override {shown!r}")
         except yaml.YAMLError as error:
             where = getattr(error, "problem", None) or "not valid YAML"
             raise ConfigError(f"override {item!r}: its value is not valid YAML ({where}); quote the whole "
                               "--set for the shell, e.g. --set 'rollout.env_kwargs={tools: [search]}'") from None
-        except RecursionError:  # PyYAML recurses per level: [[[...]]] thousands deep
-            value = _TOO_DEEP
-        if value is _TOO_DEEP or nested_too_deep(value):
-            shown = item if len(item) <= 60 else item[:57] + "..."
-            raise ConfigError(f"override {shown!r}: its value is nested more than {MAX_NESTING} levels deep; "
-                              "a config value is a number, a string or a small list or mapping")
+        except YamlLimitError as error:  # an alias bomb, nesting, a 10,000-digit number
+            raise ConfigError(str(error)) from None
         node[leaf] = value
     return data
-
-
-MAX_NESTING = 64  # levels of lists and mappings in one value: the deepest real config is a few
-_TOO_DEEP = object()
-
-
-def nested_too_deep(value: Any, limit: int = MAX_NESTING) -> bool:
-    """Whether `value` has lists or mappings nested more than `limit` deep (walked without recursion:
-    the copies and validation after loading recurse per level, and Python stops them at ~1,000)."""
-    stack = [(value, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, (list, dict)):
-            if depth >= limit:
-                return True
-            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-    return False
 
 
 def parse_config(data: dict[str, Any], source: str = "config", overrides: list[str] | None = None) -> PipelineConfig:

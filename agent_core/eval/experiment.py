@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from agent_core.config import Section
+from agent_core.safe_yaml import load_yaml
 
 BASELINES = ("naive_rag", "base_tool_call")
 BASELINE_TITLES = {"naive_rag": "Naive RAG", "base_tool_call": "Base Tool Call"}
@@ -72,7 +72,7 @@ def load_experiment(path: str | Path) -> tuple[ExperimentConfig, Path]:
     if not path.is_file():
         raise FileNotFoundError(f"experiment file not found: {path}")
     try:
-        return ExperimentConfig.model_validate(yaml.safe_load(path.read_text()) or {}), path.parent
+        return ExperimentConfig.model_validate(load_yaml(path.read_text(), str(path)) or {}), path.parent
     except ValidationError as error:
         raise ValueError(f"{path}: {error}") from None
 

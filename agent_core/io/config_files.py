@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import yaml
 
 from agent_core.config import ConfigError, PipelineConfig, apply_overrides, parse_config
-from agent_core.config.loading import MAX_NESTING, nested_too_deep
 from agent_core.io.atomic import write_text_atomic
+from agent_core.safe_yaml import YamlLimitError, load_yaml
 
 
 def read_config(paths: str | Path | Sequence[str | Path] | None = None,
@@ -46,17 +46,11 @@ def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = load_yaml(path.read_text(), str(path))
     except yaml.YAMLError as error:
         raise ConfigError(_yaml_error(path, error)) from None
-    except RecursionError:
-        loaded = None
-        too_deep = True
-    else:
-        too_deep = nested_too_deep(loaded, MAX_NESTING + 2)  # + section and key
-    if too_deep:
-        raise ConfigError(f"{path}: a value is nested more than {MAX_NESTING} levels deep; a config value is a "
-                          "number, a string or a small list or mapping")
+    except YamlLimitError as error:  # an alias bomb, nesting, a 10,000-digit number
+        raise ConfigError(str(error)) from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return loaded or {}

@@ -9,8 +9,11 @@ Design notes: docs/architecture.md §11 (agent_core/io/run_status.py).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from agent_core.io.atomic import write_text_atomic
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.locks import lock_is_held
 from agent_core.io.summaries import eval_scores
+from agent_core.safe_yaml import YamlLimitError, load_yaml
 
 END_STATUSES = ("finished", "failed", "stopped")  # stopped: by the audit (audit.on_alert: stop), resumable
 
@@ -63,10 +67,12 @@ def _recorded(run: RunLayout) -> tuple[str | None, str | None]:
 
 def _read_record(run: RunLayout) -> tuple[str | None, str | None, str | None]:
     """(status, detail, problem): problem says why a status.json that is there was not read."""
-    if not run.status_path.is_file():
+    if not os.path.lexists(run.status_path):
         return None, None, None
     try:
-        data = json.loads(run.status_path.read_text())
+        data = json.loads(_read_own_file(run.status_path))
+    except _NotRead as error:
+        return None, None, f"status.json not read: {one_line(error)}: read as killed"
     except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON
         return None, None, f"status.json unreadable ({one_line(error)}): read as killed"
     status = data.get("status") if isinstance(data, dict) else None
@@ -76,16 +82,44 @@ def _read_record(run: RunLayout) -> tuple[str | None, str | None, str | None]:
     return status, detail, None
 
 
-_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: ~10x faster on 50 runs' configs (bench/viewer.py)
+MAX_FILE_BYTES = 1 << 20  # a run's config.yaml is ~3 KB, its status.json less
+
+
+class _NotRead(OSError):
+    """A run file not read: a symbolic link, not a regular file, or too big (`_read_own_file`)."""
+
+
+def _read_own_file(path: Path) -> str:
+    """The text of a run's own file, which the pipeline writes as a regular file; _NotRead for anything
+    else, unread: a symbolic link (to /dev/zero it never ends), a FIFO (it blocks), over MAX_FILE_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _NotRead(f"a symbolic link (to {os.readlink(path)}), not followed") from None
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _NotRead("not a regular file")
+        if info.st_size > MAX_FILE_BYTES:
+            raise _NotRead(f"{info.st_size:,} bytes, more than {MAX_FILE_BYTES:,}")
+        return handle.read(MAX_FILE_BYTES + 1).decode()
 
 
 def _read_config(run: RunLayout, problems: list[str]) -> tuple[int | None, str]:
     """(iterations planned, algorithm) from the run's config.yaml; (None, "?") where it cannot say,
     with the reason added to `problems`."""
-    if not run.config_path.exists():
+    if not os.path.lexists(run.config_path):
         return None, "?"
     try:
-        config = yaml.load(run.config_path.read_text(), Loader=_SAFE_LOADER)
+        config = load_yaml(_read_own_file(run.config_path), "config.yaml")
+    except _NotRead as error:
+        problems.append(f"config.yaml not read: {one_line(error)}")
+        return None, "?"
+    except YamlLimitError as error:  # an alias bomb, nesting, a 10,000-digit number: its own line
+        problems.append(one_line(error))
+        return None, "?"
     except (OSError, ValueError, yaml.YAMLError) as error:  # ValueError: not UTF-8
         mark = getattr(error, "problem_mark", None)
         where = f"{error.problem}, line {mark.line + 1} column {mark.column + 1}" if mark else error
