@@ -176,3 +176,17 @@ def test_a_question_that_names_the_answer_is_copying(tmp_path):
     run = write_iteration(tmp_path, "r", 0, _episodes(SEARCH, ANSWER), question=f"{QUESTION} (Zurport?)")
     rows = {r.check_name: r for r in audit_iterations(run, AuditConfig(), [0])}
     assert rows["answer_copied_from_question"].value == 1.0
+
+
+def test_a_check_past_its_time_limit_is_an_error_row_not_a_hang(tmp_path):
+    """Issue 55: a user check over range(10^11) ran 150 s until Ctrl-C; now it stops at audit.check_timeout_s."""
+    run = _run_with_bad_last(tmp_path, healthy(), None)
+    cfg = AuditConfig(check_timeout_s=1.0, checks=[{
+        "name": "endless", "max": 1.0,
+        "sql": "select iteration, (select count(*) from range(100000000000) t(i) where i % 7 = 3)::double as value "
+               "from steps group by iteration"},
+        {"name": "after_it", "max": 1e9, "sql": "select iteration, count(*)::double as value from steps group by 1"}])
+    rows = {r.check_name: r for r in audit_iterations(run, cfg, [2])}
+    assert rows["endless"].status == "error" and "timed out after 1 s" in rows["endless"].detail
+    assert "\n" not in rows["endless"].detail
+    assert rows["after_it"].status == "ok"  # the check after it still ran, on the same catalog

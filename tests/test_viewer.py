@@ -14,7 +14,6 @@ import http.client
 import re
 import shutil
 import socket
-import threading
 import urllib.parse
 from pathlib import Path
 
@@ -22,22 +21,15 @@ import duckdb
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.viewer_served import BOUND_S, TRACES, Served, train_view_run
 
 pytestmark = pytest.mark.slow
-BOUND_S = 60.0
-TRACES = 3  # episodes per iteration logged as MLflow traces by the fixture's run
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
-    from agent_core.validation import load_config
-    from flows.train import train
-
-    root = tmp_path_factory.mktemp("view")
-    train(load_config(REPO_ROOT / "configs" / "tiny.yaml", [f"data_root={root}", "run_id=view-run", "iterations=2",
-                                                            f"tracking.traces={TRACES}"]))
-    return root
+    return train_view_run(tmp_path_factory.mktemp("view"))
 
 
 @pytest.fixture(scope="module")
@@ -53,45 +45,6 @@ def masked_root(data_root, tmp_path_factory) -> Path:
                     f"TO '{kept}' (FORMAT parquet)", [_first_episode(data_root)])
     kept.replace(table)
     return root
-
-
-class _Served:
-    """The viewer's own server (flows/view_command.py's make_server) on a free port, in a thread."""
-
-    def __init__(self, root: Path, host: str = "127.0.0.1", uis=None):
-        from werkzeug.serving import make_server
-
-        from agent_core.viewer.app import create_app
-
-        self.server = make_server(host, 0, create_app(root, uis), threaded=True)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> "_Served":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(BOUND_S)
-
-    def get(self, path: str) -> tuple[int, str]:
-        status, _, body = self.fetch(path)
-        return status, body
-
-    def head(self, path: str) -> tuple[int, dict[str, str]]:
-        """The status and headers of a GET (a redirect is not followed)."""
-        status, headers, _ = self.fetch(path)
-        return status, headers
-
-    def fetch(self, path: str) -> tuple[int, dict[str, str], str]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=BOUND_S)
-        connection.request("GET", path)
-        response = connection.getresponse()
-        body = response.read().decode()
-        connection.close()
-        return response.status, dict(response.getheaders()), body
 
 
 def _steps(root: Path, episode_id: str) -> list[tuple]:
@@ -112,7 +65,7 @@ def _first_episode(root: Path) -> str:
 
 def test_pages_over_http_show_the_tables(masked_root):
     episode = _first_episode(masked_root)
-    with _Served(masked_root) as served:
+    with Served(masked_root) as served:
         status, runs = served.get("/")
         assert status == 200 and 'href="/run/view-run"' in runs and "finished" in runs
         status, run = served.get("/run/view-run")
@@ -141,7 +94,7 @@ def test_pages_over_http_show_the_tables(masked_root):
                                    "episode_id IN (SELECT content FROM read_text('/etc/passwd'))",
                                    "episode_id IN (SELECT * FROM read_csv('/etc/hostname'))"])
 def test_a_hostile_filter_is_refused_with_a_message(data_root, where):
-    with _Served(data_root) as served:
+    with Served(data_root) as served:
         status, page = served.get(f"/run/view-run/iteration/1?where={urllib.parse.quote(where)}")
     assert status == 400
     message = html.unescape(re.search(r'id="error">([^<]*)<', page).group(1))
@@ -150,7 +103,7 @@ def test_a_hostile_filter_is_refused_with_a_message(data_root, where):
 
 
 def test_a_filter_narrows_and_sorts_the_episodes(data_root):
-    with _Served(data_root) as served:
+    with Served(data_root) as served:
         _, everything = served.get("/run/view-run/iteration/1")
         _, one_step = served.get("/run/view-run/iteration/1?where=" + urllib.parse.quote("steps = 1"))
     with duckdb.connect() as con:
@@ -164,7 +117,7 @@ def test_a_damaged_table_breaks_its_page_only(data_root, tmp_path):
     copy = tmp_path / "root"
     shutil.copytree(data_root, copy, ignore=shutil.ignore_patterns(".query-*", "*.lock"))
     (copy / "runs/view-run/iteration=1/steps.parquet").write_bytes(b"PAR1 not a table PAR1")
-    with _Served(copy) as served:
+    with Served(copy) as served:
         status, page = served.get("/run/view-run/iteration/1")
         assert status == 400 and "steps" in html.unescape(re.search(r'id="error">([^<]*)<', page).group(1))
         assert served.get("/")[0] == 200
@@ -176,7 +129,7 @@ def test_it_listens_on_127_0_0_1_only_by_default(data_root):
 
     args = _parser().parse_args(["view", "--data-root", str(data_root)])
     assert args.host == "127.0.0.1"
-    with _Served(data_root, args.host) as served:
+    with Served(data_root, args.host) as served:
         assert served.server.server_address[0] == "127.0.0.1"
         other = _an_address_not_loopback()
         if other is not None:  # the port is not open on the machine's other addresses
@@ -203,7 +156,7 @@ def test_in_a_browser_the_trained_tokens_are_the_loss_mask_and_the_advantages_th
     assert CHROMIUM, "no chromium: `make test-slow` installs it (apt-get install chromium)"
     episode = _first_episode(masked_root)
     shots = Path(os.environ.get("AGENTR1_SCREENSHOTS", tmp_path / "shots"))  # the README's: docs/images/viewer
-    with _Served(Path(masked_root.name)) as served, sync_playwright() as playwright:
+    with Served(Path(masked_root.name)) as served, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 900})
@@ -278,7 +231,7 @@ def test_compare_shows_one_prompts_episodes_of_two_runs_side_by_side(data_root, 
         prompt, episodes = con.execute(
             "SELECT prompt_id, list(DISTINCT episode_id ORDER BY episode_id) FROM read_parquet(?) GROUP BY 1 "
             "ORDER BY 1 LIMIT 1", [str(data_root / "runs/view-run/iteration=1/steps.parquet")]).fetchone()
-    with _Served(copy) as served:
+    with Served(copy) as served:
         status, page = served.get(f"/compare?prompt_id={urllib.parse.quote(prompt)}&a=view-run/1&b=view-run-b/1")
         assert status == 200
         sides = page.split('class="side"')[1:]
@@ -318,7 +271,7 @@ def test_the_runs_page_totals_each_runs_alerts_and_cost(data_root, tmp_path):
     assert overview["priced-run"].cost == pytest.approx(cost) and overview["priced-run"].currency == "USD"
     assert wall > 0 and overview["priced-run"].wall_seconds == pytest.approx(wall)
     assert overview["view-run"].cost is None  # no price: the page shows its minutes
-    with _Served(root) as served:
+    with Served(root) as served:
         status, page = served.get("/")
     assert status == 200 and f"{cost:.2f} USD" in page
     assert f"{overview['view-run'].wall_seconds / 60:.1f} min" in page

@@ -38,9 +38,10 @@ def audit_iterations(run: RunLayout, cfg: AuditConfig, iterations: Sequence[int]
     """The health rows of `iterations` (each check judged at each), read from the run's tables of
     those and the baseline iterations only; the checks about tools only when `offers_tools` (the
     run's env gives the policy tools: agent_core.envs.registry.env_offers_tools). Never raises for a
-    table: a check that cannot run is an `error` row."""
+    table: a check that cannot run, or runs past `audit.check_timeout_s`, is an `error` row."""
     if not iterations:
         return []
     with open_run_catalog(run, judged_iterations(iterations, cfg.baseline_iterations)) as catalog:
-        return run_checks(configured_checks(cfg, offers_tools), lambda sql: select_values(catalog, sql), run.run_id,
+        return run_checks(configured_checks(cfg, offers_tools),
+                          lambda sql: select_values(catalog, sql, cfg.check_timeout_s), run.run_id,
                           list(iterations), cfg.baseline_iterations, _missing(run))

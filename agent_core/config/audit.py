@@ -66,6 +66,9 @@ class AuditConfig(BaseModel):
         default_factory=dict, description="per built-in check name: bounds replacing its defaults "
         "(only the keys given), or enabled: false")
     checks: list[UserCheck] = Field(default_factory=list, description="user-defined SQL checks")
+    check_timeout_s: float = Field(
+        60.0, gt=0, description="seconds one check's SQL may run before it is interrupted and recorded as "
+        "status error (a check over a long run's tables takes well under a second)")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AuditConfig":

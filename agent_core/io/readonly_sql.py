@@ -101,11 +101,12 @@ class ReadOnlyCatalog:
     """An in-memory DuckDB connection with one view per table, that can read only those views' files.
 
     `tables`: view name -> its files; a name with no file is an empty view of `schemas[name]`
-    (no view where there is no schema either). Use `select` to run a user's SQL.
+    (no view where there is no schema either). `data`: view name -> rows our code computed (the
+    viewer's filter sees only these). Use `select` to run a user's SQL.
     """
 
     def __init__(self, tables: Mapping[str, Sequence[TableFile]], schemas: Mapping[str, pa.Schema] | None = None,
-                 memory_limit: str | None = None):
+                 memory_limit: str | None = None, data: Mapping[str, pa.Table] | None = None):
         schemas = schemas or {}
         self._files = {str(f.read): (f.real, name) for name, files in tables.items() for f in files}
         self.memory_limit = check_memory_limit(memory_limit) if memory_limit else default_memory_limit()
@@ -123,6 +124,8 @@ class ReadOnlyCatalog:
                 con.execute(f"SET {setting} = false")
             for name, files in tables.items():
                 _create_view(con, name, [str(f.read) for f in files], schemas.get(name))
+            for name, table in (data or {}).items():
+                con.register(name, table)
             con.execute("SET lock_configuration = true")
         except BaseException:
             self.close()

@@ -57,9 +57,10 @@ def check_run_sql(sql: str, columns: Sequence[str] = AUDIT_COLUMNS) -> None:
         catalog.relation(sql, columns=columns)
 
 
-def select_values(catalog: ReadOnlyCatalog, sql: str) -> pa.Table:
-    """Run one audit SELECT: its (iteration, value) columns; QueryError in one line otherwise."""
-    return catalog.select(sql, columns=AUDIT_COLUMNS).select(list(AUDIT_COLUMNS))
+def select_values(catalog: ReadOnlyCatalog, sql: str, timeout: float | None = None) -> pa.Table:
+    """Run one audit SELECT: its (iteration, value) columns; QueryError in one line otherwise
+    (QueryInterrupted past `timeout` seconds)."""
+    return catalog.select(sql, columns=AUDIT_COLUMNS, timeout=timeout).select(list(AUDIT_COLUMNS))
 
 
 __all__ = ["AUDIT_COLUMNS", "QueryError", "check_run_sql", "health_uri", "open_run_catalog", "select_values"]

@@ -1,9 +1,9 @@
 """What `agentr1 view` shows, read from the step tables (docs/guides/view-your-runs.md).
 
 Every read goes through a read-only catalog (`open_run_catalog`, the one `agentr1 query` and the
-audit use): one SELECT, only the tables' files readable. A user's episode filter is a `where`
-clause put into one such SELECT, so COPY, a second statement or `read_text(...)` are refused as
-they are in `agentr1 query`. Typed rows out, never DataFrames.
+audit use): one SELECT, only the tables' files readable. No SQL of a user's runs here: the episode
+filter runs over the iteration's episode rows only, in agent_core/io/row_filter.py (issue 55: a
+filter put into the run catalog's SELECT read the gold answers). Typed rows out, never DataFrames.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import duckdb
+import pyarrow as pa
 
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.readonly_sql import QueryError, one_line, sql_string
 from agent_core.io.ledger import ledger_uri
+from agent_core.io.row_filter import FILTER_TIMEOUT_S, FilterError, filter_rows
 from agent_core.io.run_catalog import health_uri, open_run_catalog
 from agent_core.io.run_status import RunStatus, list_runs
 from agent_core.io.summaries import IterationSummary, eval_scores, iteration_summary
@@ -184,21 +186,32 @@ def run_table_rows(run: RunLayout, table: str, order: str) -> list[dict[str, Any
 
 
 def iteration_episodes(run: RunLayout, iteration: int, where: str = "", order_by: str = "episode_id",
-                       descending: bool = False) -> list[EpisodeRow]:
-    """The iteration's episodes (EPISODE_COLUMNS), filtered by a user's `where` clause; ViewError when
-    the clause is refused or fails, saying why."""
+                       descending: bool = False, timeout: float = FILTER_TIMEOUT_S) -> list[EpisodeRow]:
+    """The iteration's first EPISODE_LIMIT episodes (EPISODE_COLUMNS) in order, filtered by a user's
+    `where` clause over those rows only (row_filter.py, within `timeout` seconds); ViewError saying
+    why not, quoting no data."""
     if order_by not in EPISODE_COLUMNS:
         raise ViewError(f"cannot sort by {order_by!r}; columns: {', '.join(EPISODE_COLUMNS)}")
-    sql = f"SELECT * FROM ({_EPISODES_SQL}) AS episodes"
-    if where.strip():
-        sql += f" WHERE ({where})"
-    sql += f" ORDER BY {order_by} {'DESC' if descending else 'ASC'} NULLS LAST, episode_id LIMIT {EPISODE_LIMIT}"
-    return [EpisodeRow(**row) for row in _select(run, [iteration], sql)]
+    order = f"ORDER BY {order_by} {'DESC' if descending else 'ASC'} NULLS LAST, episode_id LIMIT {EPISODE_LIMIT}"
+    if not where.strip():
+        return _episodes(run, iteration, "TRUE", order)
+    try:  # never into the run catalog's SELECT: there a subquery read `prompts` (issue 55)
+        rows = filter_rows(_table(run, [iteration], _EPISODES_SQL), where, order, timeout)
+    except FilterError as error:
+        raise ViewError(str(error)) from None
+    return [EpisodeRow(**row) for row in rows.to_pylist()]
 
 
 def prompt_episodes(run: RunLayout, iteration: int, prompt_id: str) -> list[EpisodeRow]:
     """One prompt's episodes in one iteration (a group's samples), for the compare page."""
-    return iteration_episodes(run, iteration, f"prompt_id = {sql_string(prompt_id)}", "sample_idx")
+    return _episodes(run, iteration, f"prompt_id = {sql_string(prompt_id)}",
+                     f"ORDER BY sample_idx, episode_id LIMIT {EPISODE_LIMIT}")
+
+
+def _episodes(run: RunLayout, iteration: int, where: str, order: str) -> list[EpisodeRow]:
+    """Episodes by our own `where` (a user's goes through row_filter.py: see iteration_episodes)."""
+    sql = f"SELECT * FROM ({_EPISODES_SQL}) AS episodes WHERE {where} {order}"
+    return [EpisodeRow(**row) for row in _select(run, [iteration], sql)]
 
 
 def episode_steps(run: RunLayout, iteration: int, episode_id: str, tokenizer) -> list[StepView]:
@@ -264,9 +277,12 @@ def episode_sql(run_id: str, iteration: int, episode_id: str) -> str:
 
 
 def _select(run: RunLayout, iterations: list[int] | None, sql: str) -> list[dict[str, Any]]:
+    return _table(run, iterations, sql).to_pylist()
+
+
+def _table(run: RunLayout, iterations: list[int] | None, sql: str) -> pa.Table:
     try:
         with open_run_catalog(run, iterations) as catalog:
-            table = catalog.select(sql)
+            return catalog.select(sql)
     except QueryError as error:
         raise ViewError(str(error)) from None
-    return table.to_pylist()

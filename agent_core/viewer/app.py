@@ -17,15 +17,17 @@ from agent_core.io.checkpoints import load_tokenizer
 from agent_core.io.layout import DataRoot, RunLayout
 from agent_core.io.summaries import IterationSummary
 from agent_core.io.ui_links import ExternalUIs
+from agent_core.io.row_filter import FILTER_TIMEOUT_S
 from agent_core.io.trace_view import (EPISODE_COLUMNS, ViewError, episode_sql, episode_steps, iteration_episodes,
                                       prompt_episodes, run_iterations, run_table_rows, runs_overview, RunOverview)
 
 CURVES = ("mean_reward", "em", "dev_em", "steps_per_episode", "kl", "entropy", "clipfrac")
 
 
-def create_app(data_root: Path, uis: ExternalUIs | None = None) -> Flask:
+def create_app(data_root: Path, uis: ExternalUIs | None = None, filter_timeout: float = FILTER_TIMEOUT_S) -> Flask:
     """The viewer over `data_root` (nothing is read until a page is asked for); `uis`: MLflow's and
-    Prefect's UIs, linked from the runs page while they answer."""
+    Prefect's UIs, linked from the runs page while they answer; `filter_timeout`: seconds an episode
+    filter may run (agent_core/io/row_filter.py)."""
     app = Flask(__name__)
     root = DataRoot(Path(data_root))
     tokenizers = _Tokenizers()
@@ -70,7 +72,7 @@ def create_app(data_root: Path, uis: ExternalUIs | None = None) -> Flask:
         order_by = request.args.get("sort", "episode_id")
         descending = request.args.get("desc", "") == "1"
         try:
-            episodes = iteration_episodes(layout, iteration, where, order_by, descending)
+            episodes = iteration_episodes(layout, iteration, where, order_by, descending, filter_timeout)
         except ViewError as error:
             return _error(str(error), 400, back=f"/run/{run_id}/iteration/{iteration}", where=where)
         return render_template("iteration.html", run_id=run_id, iteration=iteration, episodes=episodes,
