@@ -30,7 +30,7 @@ from agent_core.config_errors import Problem, config_error
 from agent_core.data.oracle import oracle_config_problems
 from agent_core.devices import DeviceError, resolve_device
 from agent_core.drivers import DRIVERS
-from agent_core.envs.agent_program import ENV_NAME as PROGRAM_ENV, ProgramSpec
+from agent_core.envs.program_spec import ENV_NAME as PROGRAM_ENV, ProgramSpec
 from agent_core.envs.formats import FORMATS
 from agent_core.envs.registry import ENVS, check_env_spec, env_driver, check_tool_entries, check_tool_env_kwargs
 from agent_core.io.checkpoints import CheckpointError, check_checkpoint, policy_source_dir

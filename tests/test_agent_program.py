@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_core.envs.agent_program import (
-    ProgramJob, ProgramSpec, parse_agent_rewards, parse_answer, run_program, run_programs,
-)
+from agent_core.envs.agent_program import ProgramJob, parse_agent_rewards, parse_answer, run_program, run_programs
+from agent_core.envs.program_spec import ProgramSpec
 
 
 def _script(tmp_path: Path, name: str, body: str) -> str:
@@ -253,6 +252,8 @@ def test_agent_rewards_are_read_from_the_answer_line_and_checked():
         {"solver": 1.0, "planner": -0.25}, None)
     assert parse_agent_rewards('{"answer": "x"}') == ({}, None)
     for bad in ('{"answer": "x", "agent_rewards": {"solver": "high"}}', '{"answer": "x", "agent_rewards": [1]}',
-                '{"answer": "x", "agent_rewards": {"solver": true}}'):
+                '{"answer": "x", "agent_rewards": {"solver": true}}', '{"answer": "x", "agent_rewards": {"solver": 1e200}}',
+                '{"answer": "x", "agent_rewards": {"solver": -100.5}}'):
         rewards, problem = parse_agent_rewards(bad)
-        assert rewards == {} and problem.startswith("agent_rewards must map agent names to finite numbers"), bad
+        assert rewards == {} and problem.startswith("agent_rewards must map agent names to numbers in [-100, 100]"), bad
+    assert parse_agent_rewards('{"answer": "x", "agent_rewards": {"solver": -100}}') == ({"solver": -100.0}, None)

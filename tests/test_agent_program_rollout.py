@@ -267,6 +267,21 @@ def test_each_named_agent_of_a_program_is_its_own_episode_whose_conversation_pac
     assert rows[0]["prefix_shared"] and "The solver answered" in rows[0]["observation_text"]
 
 
+def test_a_reward_past_the_bound_fails_its_episode_not_the_run(engine, tokenizer, tmp_path):
+    """The attack's answer line, `agent_rewards: {"solver": 1e200}` (finite, so once accepted): its episode
+    fails with the reason; the other sample's bounded reward is kept; the steps table is valid."""
+    huge = TWO_AGENTS.replace('{"solver": 0.5}', '{"solver": 1e200 if os.environ["AGENTR1_EPISODE_ID"].endswith("-s0") '
+                                                 'else 0.5}')
+    records = _roll(engine, tokenizer, _cfg([sys.executable, "-c", huge], max_context_tokens=2048), prompts=_prompts(1))
+    rows = _table(records, tmp_path).to_pylist()
+    ends = {(r["sample_idx"], r["agent"]): r for r in rows if r["done"]}
+    for agent in ("planner", "solver"):
+        assert ends[0, agent]["termination"] == "error"
+        assert "agent_rewards must map agent names to numbers in [-100, 100]" in json.loads(ends[0, agent]["info"])["error"]
+    assert ends[1, "solver"]["termination"] == "answered" and ends[1, "solver"]["env_reward"] == 0.5
+    assert max(abs(r["env_reward"]) for r in rows) <= 100
+
+
 def test_the_config_accepts_agent_program_and_checks_its_kwargs():
     base = REPO_ROOT / "configs" / "tiny.yaml"
     ok = load_config(base, ["rollout.env=agent_program", 'rollout.env_kwargs={"command": ["python", "agent.py"]}'])

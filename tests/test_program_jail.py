@@ -8,19 +8,25 @@ setpgid/setsid. Each attack is also run without the jail, to show that the test 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
+import socket
+import struct
 import sys
+import sysconfig
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from agent_core.config import RolloutConfig
 from agent_core.data.rows import document_to_row
-from agent_core.envs.agent_program import ProgramJail, ProgramJob, ProgramSpec, run_program
+from agent_core.envs.agent_program import ProgramJail, ProgramJob, run_program
+from agent_core.envs.program_spec import ProgramSpec
 from agent_core.io.tables import write_table
 from agent_core.rollout.hf_engine import HFEngine
 from agent_core.training.model import build_tiny_policy, build_tokenizer
@@ -28,16 +34,19 @@ from agent_core.types import ChatMessage, Document, Prompt
 from agent_core.drivers import DataAccess, roll_out
 
 GROUP = 4
-# Waits until all GROUP siblings run (a file each in the barrier folder), steals what /proc shows,
+# Waits until all GROUP siblings run (a file each in the barrier folder, or 2 s where it cannot write one), steals what /proc shows,
 # calls the gateway with every stolen token and its own, attacks the data root, answers what it saw.
 HOSTILE = textwrap.dedent("""
     import glob, json, os, sys, time, urllib.request
     prompt = json.load(sys.stdin)
     barrier, root = sys.argv[1], sys.argv[2]
-    open(os.path.join(barrier, os.environ["AGENTR1_EPISODE_ID"]), "w").close()
-    deadline = time.time() + 20
-    while len(os.listdir(barrier)) < %d and time.time() < deadline:
-        time.sleep(0.02)
+    try:
+        open(os.path.join(barrier, os.environ["AGENTR1_EPISODE_ID"]), "w").close()
+        deadline = time.time() + 20
+        while len(os.listdir(barrier)) < %d and time.time() < deadline:
+            time.sleep(0.02)
+    except OSError:  # jailed: nothing outside its scratch is writable; its siblings started with it
+        time.sleep(2)
     own, stolen = os.environ["OPENAI_API_KEY"], set()
     for path in glob.glob("/proc/[0-9]*/environ"):
         try:
@@ -227,3 +236,142 @@ def test_a_layer_the_kernel_refuses_is_named_and_the_rest_still_apply(tmp_path):
     refused = dict(outcome.jail.refused)
     assert "hidden_paths" not in outcome.jail.layers and "Not a directory" in refused["hidden_paths"]
     assert {"pid_namespace", "private_proc", "locked_mounts"} <= set(outcome.jail.layers)
+
+
+# Issue 55: scans every port of 127.0.0.1 and the host's own addresses, then calls its gateway.
+SCANNER = textwrap.dedent("""
+    import json, os, socket, sys, urllib.request
+    prompt = json.load(sys.stdin)
+    ports = range(1, 65536) if sys.argv[1] == "all" else [int(port) for port in sys.argv[1].split(",")]
+    def is_open(host, port):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.settimeout(0.5)  # a port equal to the probe's own source port connects to itself: not a listener
+            return probe.connect_ex((host, port)) == 0 and probe.getsockname() != probe.getpeername()
+    found = [port for port in ports if is_open("127.0.0.1", port)]
+    reached = [host for host in sys.argv[2].split(",") if host and is_open(host, int(sys.argv[3]))]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix:
+            unix.connect(sys.argv[4])
+        unix_socket = "connected"
+    except OSError as error:
+        unix_socket = error.strerror
+    request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": "policy", "messages": prompt["messages"]}).encode(),
+        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+    status = urllib.request.urlopen(request).status
+    gateway = int(os.environ["OPENAI_BASE_URL"].rsplit(":", 1)[1].split("/")[0])
+    print(json.dumps({"answer": json.dumps({"open": found, "reached": reached, "unix_socket": unix_socket,
+                                            "gateway": gateway, "call": status})}))
+""")
+
+
+def _host_addresses() -> list[str]:
+    """This machine's IPv4 addresses other than loopback (SIOCGIFADDR of each interface)."""
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as control:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(control, 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            address = socket.inet_ntoa(packed[20:24])
+            if not address.startswith("127."):
+                found.append(address)
+    return found
+
+
+@pytest.mark.parametrize("jailed, network", [(True, "gateway"), (True, "host"), (False, "gateway")],
+                         ids=["jailed", "jailed-host-network", "control"])
+def test_a_program_reaches_its_gateway_and_nothing_else_on_the_network(engine_and_tokenizer, tmp_path, data_root,
+                                                                      jailed, network):
+    """A service on the host (the viewer, Prefect's API, MLflow, Ray: here a plain listener on every
+    address, or a Unix socket) is out of reach of a jailed program: a scan of all 65,535 ports of
+    127.0.0.1 finds its gateway alone, the host's own addresses answer nothing, a Unix socket cannot be
+    made; the control, and a jailed program given `network: host`, find the service."""
+    engine, tokenizer = engine_and_tokenizer
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as service, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix_service:
+        service.bind(("0.0.0.0", 0))
+        service.listen(8)
+        unix_service.bind(str(tmp_path / "service.sock"))  # a pathname socket, as Ray's under /tmp/ray
+        unix_service.listen(8)
+        port = service.getsockname()[1]
+        program = tmp_path / "scanner.py"
+        program.write_text(SCANNER)
+        isolated = jailed and network == "gateway"
+        cfg = RolloutConfig(env="agent_program", group_size=1, max_steps=1, max_new_tokens=4, max_context_tokens=512,
+                            env_kwargs={"command": [sys.executable, str(program), "all" if isolated else str(port),
+                                                    ",".join(_host_addresses()), str(port),
+                                                    str(tmp_path / "service.sock")],
+                                        "timeout_s": 120, "network": network})
+        prompt = Prompt("q0", "test", "train", (ChatMessage("user", "Who directed The Silent Harbor?"),),
+                        ("Ana Kowalski",), "search_qa")
+        records = roll_out(engine, tokenizer, [prompt], [], cfg, seed=0, policy_version=0, episode_prefix="",
+                           access=DataAccess(None, str(data_root) if jailed else None))
+    seen = _seen(json.loads(next(r.info for r in records if r.done)))
+    assert seen["call"] == 200, seen
+    if isolated:
+        assert seen["open"] == [seen["gateway"]] and seen["reached"] == [], seen
+        assert seen["unix_socket"] == "Permission denied", seen
+    else:
+        assert seen["open"] == [port] and len(seen["reached"]) == len(_host_addresses()), seen
+        assert seen["unix_socket"] == "connected", seen
+
+
+# Issue 55: plants a .pth where the next `agentr1` would run it, writes where it is allowed, reports.
+PLANTER = textwrap.dedent("""
+    import json, os, sys, sysconfig
+    folders, tag = sys.argv[1:-1], sys.argv[-1]
+    wrote = {}
+    for folder in folders:
+        try:
+            with open(os.path.join(folder, f"agentr1-planted-{tag}.pth"), "w") as planted:
+                planted.write("import os\\n")
+            wrote[folder] = "ok"
+        except OSError as error:
+            wrote[folder] = error.strerror
+    try:
+        with open(os.path.join(os.environ["TMPDIR"], "big"), "wb") as scratch_file:
+            scratch_file.write(b"x" * 2 * 2**20)
+        big = "ok"
+    except OSError as error:
+        big = error.strerror
+    print(json.dumps({"answer": json.dumps({"wrote": wrote, "big": big, "uid": os.getuid(), "env": sorted(os.environ),
+                                            "tmpdir": os.environ["TMPDIR"], "home": os.environ["HOME"]})}))
+""")
+
+
+def test_a_jailed_program_writes_nothing_outside_its_scratch_and_gets_no_credentials(tmp_path, monkeypatch):
+    """The .pth plant: the venv's site-packages, the checkout, the system temp folder and any folder of the
+    host are read-only to a jailed program, which runs as an unprivileged uid with the documented
+    environment only; its scratch (HOME, TMPDIR) is gone when it ends. The control writes."""
+    monkeypatch.setenv("AGENTR1_TEST_CREDENTIAL", "s3cret")
+    monkeypatch.setenv("AGENTR1_TEST_LISTED", "wanted")
+    program, outside = tmp_path / "planter.py", tmp_path / "outside"
+    outside.mkdir()
+    program.write_text(PLANTER)
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    folders = [sysconfig.get_paths()["purelib"], str(Path(__file__).resolve().parent.parent), "/tmp", str(outside)]
+    spec = ProgramSpec(command=(sys.executable, str(program), *folders, tag), env=("AGENTR1_TEST_LISTED",),
+                       scratch_mb=1)
+    try:
+        jailed = run_program(spec, ProgramJob("p", {}, {"OPENAI_API_KEY": "k"}), ProgramJail.around([tmp_path / "root"]))
+        control = run_program(replace(spec, command=(sys.executable, str(program), str(outside), tag)),
+                              ProgramJob("c", {}, {}))
+        planted = [os.path.join(folder, f"agentr1-planted-{tag}.pth") for folder in folders]
+        assert control.failure is None and json.loads(control.answer)["wrote"] == {str(outside): "ok"}
+        assert json.loads(control.answer)["big"] == "ok"  # no tmpfs, no cap
+        os.remove(planted[-1])  # the control's
+        assert jailed.failure is None, jailed.failure
+        seen = json.loads(jailed.answer)
+        assert seen["wrote"] == {folder: "Read-only file system" for folder in folders}, seen
+        assert seen["big"] == "No space left on device"  # scratch_mb: 1
+        assert not any(os.path.exists(path) for path in planted)
+        assert seen["uid"] != 0 and {"scratch", "unprivileged", "read_only_root"} <= set(jailed.jail.layers)
+        assert "AGENTR1_TEST_CREDENTIAL" not in seen["env"] and "AGENTR1_TEST_LISTED" in seen["env"]
+        assert set(seen["env"]) <= {"PATH", "HOME", "TMPDIR", "OPENAI_API_KEY", "AGENTR1_TEST_LISTED", "LANG",
+                                    "LC_ALL", "LC_CTYPE", "TZ"}, seen["env"]
+        assert seen["home"].startswith(seen["tmpdir"]) and not os.path.exists(seen["tmpdir"])
+    finally:
+        for folder in folders:
+            Path(folder, f"agentr1-planted-{tag}.pth").unlink(missing_ok=True)

@@ -6,7 +6,8 @@ neither installed."""
 from __future__ import annotations
 
 from agent_core.drivers.base import DRIVERS, RolloutRequest
-from agent_core.envs.agent_program import ENV_NAME, ProgramJail, ProgramSpec
+from agent_core.envs.agent_program import ProgramJail
+from agent_core.envs.program_spec import ENV_NAME, ProgramSpec
 from agent_core.rollout.chat import eos_token_ids
 from agent_core.rollout.records import StepRecord
 from agent_core.rollout.spec import chat_capabilities

@@ -4,9 +4,10 @@ Each run gets the prompt as JSON on stdin, the gateway's URL and its episode's t
 environment, and must print `{"answer": ...}` as its last stdout line (the whole contract:
 docs/guides/train-your-agent.md). Every fault of the program is a failed outcome with a one-line
 reason, never an exception; after every run its process group is killed. With a `ProgramJail` it
-runs through `program_jail.py` (own user, mount and PID namespaces, private /proc, the data root
-hidden but for the corpus); `ProgramOutcome.jail` says which layers it got. stdout and stderr
-are drained as written, keeping only their last `max_output_bytes`.
+runs through `program_jail.py` (own namespaces, its gateway the only thing on its network, the
+file system read-only but for its scratch folder, the data root hidden but for the corpus);
+`ProgramOutcome.jail` says which layers it got. Its environment is a documented minimum
+(`_environment`). stdout and stderr are drained as written, keeping only their last `max_output_bytes`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,97 +29,16 @@ from typing import Any, Callable, Mapping, Sequence
 
 # Waiting without reaping keeps the pid (= the group id) from being reused before the group is killed.
 from agent_core.envs.processes import kill_group, signal_name, wait_unreaped
+from agent_core.envs.program_spec import ProgramSpec
 
-ENV_NAME = "agent_program"
 STDERR_TAIL_BYTES = 2048
 TERM_GRACE_S = 1.0  # between SIGTERM and SIGKILL of a program past its limit
 _DRAIN_GRACE_S = 2.0  # how long to wait for the pipes to reach EOF once the group is dead
 _REASON_CHARS = 300  # of stderr or stdout quoted in a failure line
 _JAIL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "program_jail.py")
-
-
-@dataclass(frozen=True)
-class ProgramSpec:
-    """How to run the program, from `rollout.env_kwargs` of env agent_program (see from_env_kwargs)."""
-
-    command: tuple[str, ...]
-    timeout_s: float = 60.0
-    max_parallel: int = 4
-    max_output_bytes: int = 1_000_000
-
-    @classmethod
-    def from_env_kwargs(cls, kwargs: Mapping[str, Any]) -> "ProgramSpec":
-        """ValueError (one line, naming the key) unless `kwargs` is a valid spec: command is a
-        non-empty list of strings, timeout_s a positive finite number, max_parallel and
-        max_output_bytes positive ints; no other keys."""
-        where = f"env {ENV_NAME!r}: env_kwargs"
-        if not isinstance(kwargs, Mapping):
-            raise ValueError(f"{where} must be a mapping with at least `command`, got {kwargs!r}")
-        unknown = sorted(set(kwargs) - set(_FIELDS))
-        if unknown:
-            raise ValueError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; "
-                             f"valid keys: {', '.join(_FIELDS)}")
-        if "command" not in kwargs:
-            raise ValueError(f"{where}.command is required: the program's argv as a list, "
-                             "e.g. {command: [python, examples/openai_agent/agent.py]}")
-        command = kwargs["command"]
-        if isinstance(command, str) or not isinstance(command, Sequence) or not command or not all(
-                _argv_part(part) for part in command):
-            raise ValueError(f"{where}.command must be a non-empty list of non-empty strings (the argv, "
-                             f"e.g. [python, agent.py]), got {command!r}")
-        timeout_s = kwargs.get("timeout_s", cls.timeout_s)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
-                timeout_s > 0 and math.isfinite(timeout_s)):
-            raise ValueError(f"{where}.timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        counts = {key: kwargs.get(key, getattr(cls, key)) for key in ("max_parallel", "max_output_bytes")}
-        for key, value in counts.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{where}.{key} must be an int >= 1, got {value!r}")
-        return cls(command=tuple(map(_argv_part, command)), timeout_s=float(timeout_s), **counts)
-
-
-    def missing(self, cwd: str) -> str | None:
-        """Why the command cannot start from `cwd` (where programs run: the directory agentr1 runs in),
-        one line, or None: its executable is not found, or the script an interpreter is given is not."""
-        exe = self.command[0]
-        if os.sep in exe and not os.path.isfile(os.path.join(cwd, exe)):
-            return f"{exe} is not a file (a relative path is resolved against {cwd}, where agentr1 runs)"
-        if os.sep not in exe and shutil.which(exe) is None:
-            return f"{exe!r} is not on PATH"
-        script = _script_of(self.command)
-        if script is not None and not os.path.isfile(os.path.join(cwd, script)):
-            return (f"{exe} would run {script}, which is not a file (a relative path is resolved against {cwd}, "
-                    "where agentr1 runs: give an absolute path, or run agentr1 from the folder it is relative to)")
-        return None
-
-
-_FIELDS = ("command", "timeout_s", "max_parallel", "max_output_bytes")
-_INTERPRETERS = ("python", "node", "bash", "sh", "ruby", "perl")
-
-
-def _script_of(command: Sequence[str]) -> str | None:
-    """The script file an interpreter's argv runs (`python agent.py`), None for `-c`/`-m` or no interpreter."""
-    if not os.path.basename(command[0]).startswith(_INTERPRETERS):
-        return None
-    args = iter(command[1:])
-    for arg in args:
-        if arg in ("-c", "-m", "-e", "--eval"):
-            return None
-        if arg in ("-X", "-W"):  # python's options that take a value
-            next(args, None)
-        elif not arg.startswith("-"):
-            return arg
-    return None
-
-
-def _argv_part(part: Any) -> str:
-    """`part` as an argv string, "" if it cannot be one. Numbers are taken as written: YAML reads the
-    4 of `[agent.py, --max-turns, 4]` as an int. Booleans are not (YAML's `yes`, `on` are ambiguous)."""
-    if isinstance(part, str):
-        return part
-    if isinstance(part, (int, float)) and not isinstance(part, bool):
-        return str(part)
-    return ""
+# what every program gets of the caller's environment (besides its gateway's variables and `env`)
+BASE_ENVIRONMENT = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
+AGENT_REWARD_BOUND = 100.0  # |agent_rewards| a program may give: a task's own score is in [0, 1]
 
 
 @dataclass(frozen=True)
@@ -128,6 +49,8 @@ class ProgramJail:
 
     hide: tuple[str, ...] = ()
     expose: tuple[str, ...] = ()
+    gateway_port: int | None = None  # the port forwarded, inside the jail's network, to gateway_socket
+    gateway_socket: str | None = None
 
     @classmethod
     def around(cls, hide: Sequence[str | os.PathLike], expose: Sequence[str | os.PathLike | None] = ()) -> "ProgramJail":
@@ -195,7 +118,17 @@ def run_programs(spec: ProgramSpec, jobs: Sequence[ProgramJob],
 
 
 def run_program(spec: ProgramSpec, job: ProgramJob, jail: ProgramJail | None = None) -> ProgramOutcome:
-    """One run of the program for `job` (see the module docstring); never raises for its faults."""
+    """One run of the program for `job` (see the module docstring); never raises for its faults. Its
+    private scratch folder (HOME, TMPDIR; a tmpfs when jailed) is removed when it ends."""
+    scratch = tempfile.mkdtemp(prefix="agentr1-program-")
+    try:
+        os.mkdir(os.path.join(scratch, "home"))
+        return _run(spec, job, jail, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(spec: ProgramSpec, job: ProgramJob, jail: ProgramJail | None, scratch: str) -> ProgramOutcome:
     started = time.monotonic()
     report: JailReport | None = None
 
@@ -208,9 +141,9 @@ def run_program(spec: ProgramSpec, job: ProgramJob, jail: ProgramJail | None = N
         return failed(f"the prompt could not be written as JSON for the program's stdin: {error}")
     status_read, status_write = os.pipe() if jail is not None else (None, None)
     try:
-        argv = list(spec.command) if jail is None else _jailed(spec.command, jail, status_write)
+        argv = list(spec.command) if jail is None else _jailed(spec, jail, status_write, scratch)
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   env=_environment(job.env), start_new_session=True,
+                                   env=_environment(spec, job.env, scratch), start_new_session=True,
                                    pass_fds=() if status_write is None else (status_write,))
     except (OSError, ValueError) as error:
         if status_read is not None:
@@ -246,11 +179,13 @@ def run_program(spec: ProgramSpec, job: ProgramJob, jail: ProgramJail | None = N
                           rewards)
 
 
-def _jailed(command: Sequence[str], jail: ProgramJail, status_fd: int) -> list[str]:
-    """The argv that runs `command` inside program_jail.py (stdlib only: `-I -S`, no site-packages)."""
-    spec = {"argv": list(command), "hide": list(jail.hide), "expose": list(jail.expose), "cwd": os.getcwd(),
-            "status_fd": status_fd}
-    return [sys.executable, "-I", "-S", "-B", _JAIL_SCRIPT, json.dumps(spec)]
+def _jailed(spec: ProgramSpec, jail: ProgramJail, status_fd: int, scratch: str) -> list[str]:
+    """The argv that runs the program inside program_jail.py (stdlib only: `-I -S`, no site-packages)."""
+    settings = {"argv": list(spec.command), "hide": list(jail.hide), "expose": list(jail.expose),
+                "cwd": os.getcwd(), "status_fd": status_fd, "scratch": scratch, "scratch_mb": spec.scratch_mb,
+                "host_network": spec.network == "host", "gateway_port": jail.gateway_port,
+                "gateway_socket": jail.gateway_socket}
+    return [sys.executable, "-I", "-S", "-B", _JAIL_SCRIPT, json.dumps(settings)]
 
 
 def _read_jail_report(status_read: int, timeout_s: float) -> JailReport:
@@ -273,14 +208,17 @@ def _read_jail_report(status_read: int, timeout_s: float) -> JailReport:
 
 
 def parse_agent_rewards(stdout: str) -> tuple[dict[str, float], str | None]:
-    """The answer line's optional "agent_rewards" ({agent name: finite number}: a reward of each named
-    agent's own, on top of the answer's score they share), or ({}, a one-line reason)."""
+    """The answer line's optional "agent_rewards" ({agent name: number within AGENT_REWARD_BOUND}: a
+    reward of each named agent's own, on top of the answer's score they share), or ({}, a one-line
+    reason): a value past the bound fails the episode, so no number a program prints can overflow a
+    later stage's returns or advantages."""
     value = json.loads([line for line in stdout.splitlines() if line.strip()][-1])
     rewards = value.get("agent_rewards", {})
     if not isinstance(rewards, dict) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            for k, v in rewards.items()):
-        return {}, f"agent_rewards must map agent names to finite numbers, got {_quote(json.dumps(rewards))}"
+            and abs(v) <= AGENT_REWARD_BOUND for k, v in rewards.items()):
+        return {}, (f"agent_rewards must map agent names to numbers in [-{AGENT_REWARD_BOUND:g}, "
+                    f"{AGENT_REWARD_BOUND:g}], got {_quote(json.dumps(rewards))}")
     return {k: float(v) for k, v in rewards.items()}, None
 
 
@@ -300,12 +238,15 @@ def parse_answer(stdout: str) -> tuple[str | None, str | None]:
     return value["answer"], None
 
 
-def _environment(extra: Mapping[str, str]) -> dict[str, str]:
-    environment = {**os.environ, **{str(key): str(value) for key, value in extra.items()}}
+def _environment(spec: ProgramSpec, extra: Mapping[str, str], scratch: str) -> dict[str, str]:
+    """The documented minimum, never the caller's whole environment (its credentials): PATH, HOME and
+    TMPDIR in scratch, the locale, the variables `spec.env` names, and `extra` (the gateway's)."""
+    kept = {name: os.environ[name] for name in (*BASE_ENVIRONMENT, *spec.env) if name in os.environ}
     # Popen looks argv[0] up on the child's PATH: `python` is then this interpreter, with the project
     interpreter_dir = os.path.dirname(sys.executable)
-    environment["PATH"] = os.pathsep.join(part for part in (interpreter_dir, environment.get("PATH", "")) if part)
-    return environment
+    path = os.pathsep.join(part for part in (interpreter_dir, os.environ.get("PATH", "")) if part)
+    return {**kept, "PATH": path, "HOME": os.path.join(scratch, "home"), "TMPDIR": scratch,
+            **{str(key): str(value) for key, value in extra.items()}}
 
 
 def _feed(stdin, payload: bytes) -> None:

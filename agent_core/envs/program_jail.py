@@ -1,12 +1,14 @@
 """The agent program's jail: run as `python -I -S program_jail.py SPEC` by `agent_core.envs.agent_program`.
 
-Standard library only. It enters a new user + mount + PID namespace, hides each `hide` path under
-an empty read-only tmpfs (the data root: other runs, mlflow.db, this run's tables) with each
-`expose` path bound back read-only (the corpus), and forks the namespace's init. The init mounts a
-private /proc (siblings' environments, and so their tokens, are out of sight), nests one more user +
-mount namespace so that none of these mounts can be undone, then runs the program and waits for it.
-When the program exits the init exits with its status and the kernel kills every process left in
-the namespace, whatever it called (setsid, setpgid, double forks). See docs/reliability.md.
+Standard library only. It enters a new user + mount + PID (+ network) namespace, hides each `hide`
+path under an empty read-only tmpfs (the data root) with each `expose` path bound back read-only (the
+corpus), makes every other mount read-only, gives the program a private /dev and a tmpfs over its
+`scratch` folder (its only writable place), and forks the namespace's init. The init mounts a
+private /proc, brings up the namespace's own loopback where the gateway's port is forwarded to the
+gateway's Unix socket (nothing else is reachable), nests one more user + mount namespace, as an
+unprivileged uid, so none of this can be undone, then runs the program and waits for it. When the
+program exits the init exits with its status and the kernel kills every process left in the
+namespace, whatever it called (setsid, setpgid, double forks). See docs/reliability.md.
 
 The status line (JSON: layers applied, why each missing one was refused) goes to `status_fd`, which
 is closed before the program starts; a layer the kernel refuses is left out and the rest still apply.
@@ -14,14 +16,17 @@ is closed before the program starts; a layer the kernel refuses is left out and 
 
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import resource
 import signal
+import socket
 import struct
 import sys
+import threading
 
-_NEWNS, _NEWUSER, _NEWPID = 0x00020000, 0x10000000, 0x20000000
+_NEWNS, _NEWUSER, _NEWPID, _NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _MS_REC, _MS_PRIVATE = 1 << 14, 1 << 18
 _MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME = 1024, 2048, 1 << 21
@@ -29,7 +34,17 @@ _MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME = 1024, 2048, 1 << 21
 # flag the caller's namespace inherited locked)
 _KEPT_FLAGS = ((os.ST_NOSUID, _MS_NOSUID), (os.ST_NODEV, _MS_NODEV), (os.ST_NOEXEC, _MS_NOEXEC),
                (os.ST_NOATIME, _MS_NOATIME), (os.ST_NODIRATIME, _MS_NODIRATIME), (os.ST_RELATIME, _MS_RELATIME))
-LAYERS = ("pid_namespace", "hidden_paths", "private_proc", "locked_mounts")
+LAYERS = ("pid_namespace", "hidden_paths", "read_only_root", "private_dev", "scratch", "private_proc",
+          "network", "no_unix_sockets", "unprivileged", "locked_mounts")
+# mount_setattr(2): the same number on every architecture (new syscalls are unified)
+_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID = 442, -100, 0x8000, 1, 2
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+_NOBODY = 65534  # the program's uid and gid inside its namespace: no capabilities after exec
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+# seccomp: (audit arch, socket(2), io_uring_setup(2)) by machine; classic BPF opcodes (linux/filter.h)
+_SYSCALLS = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
+_LOAD, _JUMP_IF_EQUAL, _JUMP_IF_AT_LEAST, _RETURN = 0x20, 0x15, 0x35, 0x06
+_ALLOW, _EACCES = 0x7FFF0000, 0x00050000 | errno.EACCES
 START_FAILED = 127  # the program could not be started (its stderr says why)
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -51,9 +66,12 @@ def _mount(source, target: str, fstype, flags: int, data=None) -> None:
            f"mount {target}")
 
 
-def _map_ids(uid: int, gid: int) -> None:
-    """Map our own ids, so files keep their owners and the program keeps its uid."""
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+def _map_ids(uid: int, gid: int, inside_uid: int | None = None, inside_gid: int | None = None) -> None:
+    """Map our own ids (files keep their owners), seen inside as `inside_*` (default: the same)."""
+    inside_uid = uid if inside_uid is None else inside_uid
+    inside_gid = gid if inside_gid is None else inside_gid
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{inside_uid} {uid} 1"),
+                       ("gid_map", f"{inside_gid} {gid} 1")):
         with open(f"/proc/self/{name}", "w") as file:
             file.write(text)
 
@@ -80,11 +98,50 @@ def _hide(hidden: str, exposed: list[str]) -> None:
     _remount_read_only(hidden)
 
 
+def _read_only_root() -> None:
+    """Every mount read-only and nosuid, recursively (the checkout, the venv, the data root, /tmp)."""
+    attr = struct.pack("QQQQ", _MOUNT_ATTR_RDONLY | _MOUNT_ATTR_NOSUID, 0, 0, 0)
+    _check(_LIBC.syscall(_MOUNT_SETATTR, _AT_FDCWD, b"/", _AT_RECURSIVE, attr, len(attr)), "mount_setattr /")
+
+
+def _private_dev() -> None:
+    """A tmpfs /dev holding only the harmless character devices (no disks: a device node is writable
+    on a read-only mount) and a writable, size-capped /dev/shm."""
+    handles = [(name, os.open(f"/dev/{name}", os.O_PATH)) for name in _DEVICES if os.path.exists(f"/dev/{name}")]
+    _mount("tmpfs", "/dev", "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,nr_inodes=64,mode=0755")
+    for name, handle in handles:
+        os.close(os.open(f"/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
+        _mount(f"/proc/self/fd/{handle}", f"/dev/{name}", None, _MS_BIND)
+        os.close(handle)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"/dev/{name}")
+    os.mkdir("/dev/shm", 0o1777)
+    _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64m,mode=1777")
+
+
+def _scratch(path: str, size_mb: int) -> None:
+    """The program's one writable place: a size-capped tmpfs that ends with its namespace."""
+    _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size_mb}m,mode=0777")
+    os.mkdir(os.path.join(path, "home"), 0o777)
+
+
+def _layer(status: dict, name: str, apply, *args) -> bool:
+    try:
+        apply(*args)
+    except OSError as error:
+        status["refused"][name] = str(error)
+        return False
+    status["layers"].append(name)
+    return True
+
+
 def _enter(spec: dict, status: dict) -> bool:
-    """The outer namespaces and the hidden paths; False (and why, in `status`) if none could be made."""
+    """The outer namespaces and the mounts; False (and why, in `status`) if none could be made."""
     uid, gid = os.geteuid(), os.getegid()
     try:
-        _unshare(_NEWUSER | _NEWNS | _NEWPID, "unshare(user, mount, pid namespaces)")
+        _unshare(_NEWUSER | _NEWNS | _NEWPID | (0 if spec.get("host_network") else _NEWNET),
+                 "unshare(user, mount, pid, network namespaces)")
         _map_ids(uid, gid)
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the caller's namespace
     except OSError as error:
@@ -97,29 +154,46 @@ def _enter(spec: dict, status: dict) -> bool:
         status["layers"].append("hidden_paths")
     except OSError as error:
         status["refused"]["hidden_paths"] = str(error)
+    _layer(status, "read_only_root", _read_only_root)
+    _layer(status, "private_dev", _private_dev)
+    if spec.get("scratch"):
+        _layer(status, "scratch", _scratch, spec["scratch"], spec.get("scratch_mb", 256))
     return True
 
 
 def _init(spec: dict, status: dict, status_fd: int, result_fd: int) -> None:
-    """pid 1 of the new namespace: private /proc, locked mounts, then the program; its wait status
-    goes to `result_fd` and the init exits, taking every other process of the namespace with it."""
+    """pid 1 of the new namespace: private /proc, its network, locked mounts, then the program; its
+    wait status goes to `result_fd` and the init exits, taking every other process of the namespace."""
     _LIBC.prctl(ctypes.c_int(1), ctypes.c_ulong(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    try:
-        _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-        status["layers"].append("private_proc")
-    except OSError as error:
-        status["refused"]["private_proc"] = str(error)
+    _layer(status, "private_proc", _private_proc)
+    listener = None
+    if not spec.get("host_network"):
+        try:
+            listener = _loopback_with_gateway(spec.get("gateway_port"))
+            status["layers"].append("network")
+        except OSError as error:
+            status["refused"]["network"] = str(error)
     uid, gid = os.geteuid(), os.getegid()
     try:  # mounts copied into a less privileged namespace are locked: the program cannot unmount them
         _unshare(_NEWUSER | _NEWNS, "unshare(nested user, mount namespaces)")
-        _map_ids(uid, gid)
-        status["layers"].append("locked_mounts")
+        _map_ids(uid, gid, _NOBODY, _NOBODY)
+        os.setresgid(_NOBODY, _NOBODY, _NOBODY)
+        os.setresuid(_NOBODY, _NOBODY, _NOBODY)  # no capabilities left, even in its own namespaces
+        status["layers"] += ["unprivileged", "locked_mounts"]
     except OSError as error:
-        status["refused"]["locked_mounts"] = str(error)
+        status["refused"]["locked_mounts"] = status["refused"]["unprivileged"] = str(error)
+    if spec.get("host_network"):
+        pass  # the user let it reach the host's network: its Unix sockets too
+    elif _filter_works():
+        status["layers"].append("no_unix_sockets")
+    else:
+        status["refused"]["no_unix_sockets"] = f"seccomp refused, or no filter for {os.uname().machine}"
     _report(status_fd, status)
     for forwarded in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(forwarded, lambda number, _frame: _forward(number))
     program = _start(spec)
+    if listener is not None:
+        threading.Thread(target=_serve_gateway, args=(listener, spec["gateway_socket"]), daemon=True).start()
     while True:  # reap adopted orphans until the program itself ends
         try:
             pid, wait_status = os.wait()
@@ -130,6 +204,89 @@ def _init(spec: dict, status: dict, status_fd: int, result_fd: int) -> None:
         if pid == program:
             os.write(result_fd, struct.pack("i", wait_status))
             os._exit(0)
+
+
+def _deny_unix_sockets() -> bool:
+    """A seccomp filter: socket(AF_UNIX) fails with EACCES (the host's pathname sockets, Ray's or another
+    run's gateway, stay out of reach on the read-only file system), and io_uring, which could make one
+    past the filter, is refused; socketpair(2) is left alone. False where it cannot be installed."""
+    numbers = _SYSCALLS.get(os.uname().machine)
+    if numbers is None:
+        return False
+    arch, socket_call, io_uring_setup = numbers
+    # seccomp_data: nr at offset 0, arch at 4, args[0] at 16; each (code, jump if true, jump if false, k)
+    program = [(_LOAD, 0, 0, 4), (_JUMP_IF_EQUAL, 0, 7, arch), (_LOAD, 0, 0, 0),
+               (_JUMP_IF_AT_LEAST, 4, 0, 0x40000000),  # x86's x32 numbers: refused whole
+               (_JUMP_IF_EQUAL, 3, 0, io_uring_setup), (_JUMP_IF_EQUAL, 0, 3, socket_call),
+               (_LOAD, 0, 0, 16), (_JUMP_IF_EQUAL, 0, 1, socket.AF_UNIX),
+               (_RETURN, 0, 0, _EACCES), (_RETURN, 0, 0, _ALLOW)]
+    filters = (ctypes.c_uint64 * len(program))(*(c | jt << 16 | jf << 24 | k << 32 for c, jt, jf, k in program))
+    fprog = (ctypes.c_uint64 * 2)(len(program), ctypes.addressof(filters))  # struct sock_fprog, padded
+    if _LIBC.prctl(ctypes.c_int(38), ctypes.c_ulong(1), 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        return False
+    return _LIBC.prctl(ctypes.c_int(22), ctypes.c_ulong(2), ctypes.byref(fprog), 0, 0) == 0  # SECCOMP_MODE_FILTER
+
+
+def _filter_works() -> bool:
+    """Whether the program's filter installs here: tried in a child that exits at once (the init
+    itself keeps making Unix sockets for its gateway forwarder)."""
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if _deny_unix_sockets() else 1)
+    _, wait_status = os.waitpid(child, 0)
+    return os.WIFEXITED(wait_status) and os.WEXITSTATUS(wait_status) == 0
+
+
+def _private_proc() -> None:
+    """This namespace's own /proc (siblings' environments, so their tokens, are out of sight), with the
+    kernel's knobs read-only: a uid mapped to the host's root may write /proc/sys otherwise."""
+    _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    for knob in (path for path in ("/proc/sys", "/proc/sysrq-trigger") if os.path.exists(path)):
+        _mount(knob, knob, None, _MS_BIND)
+        _remount_read_only(knob)
+
+
+def _loopback_with_gateway(port: int | None) -> socket.socket | None:
+    """Bring up this network namespace's loopback (its only interface) and listen on the gateway's
+    port there; None when there is no gateway to forward to."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as control:
+        request = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(control, _SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(control, _SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | _IFF_UP, b""))
+    if not port:
+        return None
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(128)  # before the program starts: its first connection waits in the backlog
+    return listener
+
+
+def _serve_gateway(listener: socket.socket, gateway_socket: str) -> None:
+    """Each connection to the namespace's gateway port, piped to the gateway's Unix socket."""
+    while True:
+        client, _ = listener.accept()
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            upstream.connect(gateway_socket)
+        except OSError:
+            client.close()
+            upstream.close()
+            continue
+        for source, sink in ((client, upstream), (upstream, client)):
+            threading.Thread(target=_pipe, args=(source, sink), daemon=True).start()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while chunk := source.recv(65536):
+            sink.sendall(chunk)
+    except OSError:
+        pass
+    for end, how in ((sink, socket.SHUT_WR), (source, socket.SHUT_RD)):
+        try:
+            end.shutdown(how)
+        except OSError:
+            pass
 
 
 _PROGRAM = [0]
@@ -150,6 +307,8 @@ def _start(spec: dict) -> int:
         return pid
     for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(number, signal.SIG_DFL)
+    if not spec.get("host_network"):
+        _deny_unix_sockets()
     try:
         os.chdir(spec["cwd"])
     except OSError as error:

@@ -13,7 +13,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from agent_core.envs.agent_program import ENV_NAME, ProgramSpec
+from agent_core.envs.program_spec import ENV_NAME, ProgramSpec
 from agent_core.envs.base import AgentEnv
 from agent_core.envs.formats import FORMATS
 from agent_core.envs.search import Bm25Index

@@ -89,16 +89,18 @@ def run_program_episodes(engine: Engine, tokenizer, prompts: Sequence[Prompt], s
                            _environment(gateway, tokens[identity.episode_id], identity.episode_id,
                                         settings.corpus_path))
                 for identity in identities]
+        # a jailed program's own network holds one port: its gateway's, forwarded to the Unix socket
+        jail = settings.jail and replace(settings.jail, gateway_port=gateway.port, gateway_socket=gateway.unix_socket)
         outcomes = []
         if settings.preflight:
-            outcomes = run_programs(spec, jobs[:1], on_done, settings.jail, on_start)
+            outcomes = run_programs(spec, jobs[:1], on_done, jail, on_start)
             if failed_early:
                 raise PreflightError(f"agent_program preflight: the first episode ({jobs[0].key}) failed before any "
                                      f"call: {failed_early[0][1].failure}")
             jobs = jobs[1:]
         for job in jobs[:spec.max_parallel]:  # these start at once: counted before any runs, since one worker's
             on_start(job)                     # on_start can come after another's program already asked
-        outcomes += run_programs(spec, jobs, on_done, settings.jail, on_start)
+        outcomes += run_programs(spec, jobs, on_done, jail, on_start)
     _say_missing_layers(outcomes)
     failures = [o for o in outcomes if o.failure is not None]
     if failures:

@@ -9,7 +9,8 @@ Endpoints: `POST /v1/chat/completions`, `/v1/responses` (OpenAI's Responses API)
 (Anthropic's), each also streamed, and `GET /v1/models`, over one recording per episode. A request
 needs its episode's token (`Authorization: Bearer` or `x-api-key`), else 401; `X-AgentR1-Agent`
 (or the body's `user`) names the program's agent; a body over `max_body_bytes` is 413. No endpoint
-returns recorded calls (only `finish_episode`, in this process). Bound to 127.0.0.1, a free port.
+returns recorded calls (only `finish_episode`, in this process). Bound to 127.0.0.1, a free port, and to a Unix socket
+(`unix_socket`) where a jailed program's own loopback is forwarded (envs/program_jail.py).
 Design notes: docs/architecture.md §6 (the gateway).
 """
 
@@ -18,7 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -163,6 +167,7 @@ class Gateway:
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
+        self._socket_dir: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -175,6 +180,13 @@ class Gateway:
         if self.port is None:
             raise RuntimeError("the gateway is not running; use it as a context manager")
         return f"http://{HOST}:{self.port}"
+
+    @property
+    def unix_socket(self) -> str:
+        """The gateway's Unix socket: where a jailed program's port is forwarded (program_jail.py)."""
+        if self._socket_dir is None:
+            raise RuntimeError("the gateway is not running; use it as a context manager")
+        return os.path.join(self._socket_dir, "gateway.sock")
 
     def open_episode(self, episode_id: str) -> str:
         return self.core.open_episode(episode_id)
@@ -190,17 +202,22 @@ class Gateway:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((HOST, 0))
         self.port = sock.getsockname()[1]
+        # the same app on a Unix socket: a jailed program's own network namespace forwards the port here
+        self._socket_dir = tempfile.mkdtemp(prefix="agentr1-gateway-")
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.bind(os.path.join(self._socket_dir, "gateway.sock"))
         config = uvicorn.Config(build_app(self.core, self.max_body_bytes), log_level="warning", access_log=False,
                                 lifespan="off", timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._serve, args=(sock,), name="agentr1-gateway", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=([sock, unix],), name="agentr1-gateway",
+                                        daemon=True)
         self._thread.start()
         self._wait_started()
         log.info("gateway listening on %s", self.base_url)
         return self
 
-    def _serve(self, sock: socket.socket) -> None:
-        asyncio.run(self._server.serve(sockets=[sock]))
+    def _serve(self, sockets: list[socket.socket]) -> None:
+        asyncio.run(self._server.serve(sockets=sockets))
 
     def _wait_started(self) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -215,4 +232,6 @@ class Gateway:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(_START_TIMEOUT_S)
-        self.port = None
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self.port = self._socket_dir = None
