@@ -4,6 +4,7 @@ in responses_format.py and messages_format.py)."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
@@ -59,7 +60,13 @@ def _usage(completion: Completion) -> dict[str, int]:
             "total_tokens": completion.prompt_tokens + completion.completion_tokens}
 
 
+def _finite(logprob: float) -> float:
+    """A log-prob JSON can carry: -inf (or NaN) is OpenAI's own floor, -9999.0."""
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
 def _logprobs(completion: Completion) -> dict[str, Any]:
     """OpenAI's logprobs object: each generated token's text and log-prob (no alternatives)."""
-    return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "top_logprobs": []}
+    return {"content": [{"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8")),
+                         "top_logprobs": []}
                         for token, logprob in zip(completion.tokens, completion.logprobs)], "refusal": None}

@@ -4,6 +4,13 @@ Each episode has its own bearer token; a request is served and recorded only und
 Token ids are never re-derived from text the agent did not change, so an episode packs into one training
 sequence. The engine is called as the agent loop calls it (`batching.py`); each request samples with its own
 recorded seed and takes one of the episode's `max_calls` slots, its calls numbered 0..n-1 without a gap.
+
+A request's cost is bounded before any tokenizing: one with more messages and tools than the context has
+tokens, or more characters of message text than `max_chars` (the context times the longest token of the
+vocabulary: no text longer can fit), is refused as over the context. An episode whose requests were refused
+`max_refused` times gets 429 for any further one (the server counts them). A call whose client disconnected
+before its reply was generated is not recorded (its slot is given back, as for a failed request): the agent
+never saw it, so no later request can continue it, and it is not trained.
 Design notes: docs/architecture.md §11 (agent_core/gateway/core.py).
 """
 
@@ -14,7 +21,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.gateway.batching import DEFAULT_MAX_WAIT_S, DEFAULT_WINDOW_S, EngineQueue
@@ -26,8 +33,10 @@ from agent_core.gateway.openai_format import (
 from agent_core.rollout.chat import encode_conversation, encode_observation_messages, eos_token_ids
 from agent_core.rollout.engine import Engine, SamplingParams
 from agent_core.rollout.records import json_text
+from agent_core.types import ChatMessage
 
 _SEED_STRIDE = 1_000  # calls per episode before two episodes' seeds could meet
+CLIENT_GONE = 499  # the status of a request whose client disconnected (nginx's "client closed request")
 
 
 class GatewayError(Exception):
@@ -86,13 +95,15 @@ class GatewayLimits:
     evaluation may); off in training, where log-probs must come from the run's sampling settings.
     batch_window_s / batch_max_wait_s: with a serial engine, how long a free engine waits for the other
     live episodes' requests before it generates for those queued: until none came for window_s, at most
-    max_wait_s (agent_core/gateway/batching.py)."""
+    max_wait_s (agent_core/gateway/batching.py). max_refused: refused requests (400, 413) an episode may
+    make before the gateway answers its every request with 429 (module docstring)."""
 
     max_calls: int
     max_context_tokens: int
     honor_request_sampling: bool = False
     batch_window_s: float = DEFAULT_WINDOW_S
     batch_max_wait_s: float = DEFAULT_MAX_WAIT_S
+    max_refused: int = 16
 
 
 @dataclass
@@ -104,6 +115,7 @@ class _Episode:
     refusal: str | None = None
     reserved: int = 0  # requests that hold a call slot and are not recorded yet (module docstring)
     seeds_drawn: int = 0
+    refused: int = 0  # requests refused with 400 or 413 (module docstring)
     live: bool = False  # its program runs or it made a request: the engine queue may wait for its next one
     # per agent name: (messages, tools, call, reply content, reply tool_calls) of its last call
     last: dict[str | None, tuple] = field(default_factory=dict)
@@ -117,6 +129,7 @@ class GatewayCore:
         self.engine, self.tokenizer, self.sampling, self.limits = engine, tokenizer, sampling, limits
         self.chat, self.model_name = chat, model_name
         self.end_of_turn_ids = frozenset(eos_token_ids(tokenizer))
+        self.max_chars = limits.max_context_tokens * longest_token_chars(tokenizer)  # module docstring
         self._episodes: dict[str, _Episode] = {}  # token -> open episode
         self._lock = threading.Lock()  # the episode table
         self._opened = self._live = 0
@@ -147,23 +160,70 @@ class GatewayCore:
         with self._lock:
             return token in self._episodes
 
-    def complete(self, token: str, request: ChatRequest) -> Completion:
+    def throttled(self, token: str) -> bool:
+        """Whether the token's episode has had its `max_refused` requests refused (module docstring)."""
+        with self._lock:
+            episode = self._episodes.get(token)
+            return episode is not None and episode.refused >= self.limits.max_refused
+
+    def note_refused(self, token: str) -> None:
+        """Count a request of the token's episode refused with 400 or 413."""
+        with self._lock:
+            if (episode := self._episodes.get(token)) is not None:
+                episode.refused += 1
+
+    def check_items(self, token: str, items: int) -> None:
+        """GatewayError (400) when `items` (messages and tools) exceed the context: each renders to at least
+        one token. The server asks this of a decoded body before converting it (module docstring)."""
+        if items > self.limits.max_context_tokens:
+            self._refuse_context(token, f"the request holds {items} messages and tools; the context has "
+                                        f"{self.limits.max_context_tokens} tokens (rollout.max_context_tokens)")
+
+    def complete(self, token: str, request: ChatRequest, gone: Callable[[], bool] = lambda: False) -> Completion:
         """Serve one request of the episode holding `token`; the reply, for any API to format. GatewayError
-        for an unknown or finished token (401) or a request over the episode's budgets (400)."""
+        for an unknown or finished token (401), a request over the episode's budgets (400), or a client
+        that disconnected (`gone()` once the reply is generated: CLIENT_GONE, not recorded)."""
         episode = self._reserve(token)
         try:
-            call, completion = self._generate(episode, request)
+            call, completion = self._generate(episode, request, self._conversation(token, request))
+            if gone():
+                raise GatewayError(CLIENT_GONE, "the client disconnected before its reply", "client_disconnected")
         except BaseException:
             self._release(episode)
             raise
         self._record(token, episode, call, request, completion.content, list(completion.tool_calls))
         return completion
 
-    def _generate(self, episode: _Episode, request: ChatRequest) -> tuple[GatewayCall, Completion]:
+    def _conversation(self, token: str, request: ChatRequest) -> tuple[list[ChatMessage], list[dict] | None]:
+        """The request's conversation (`openai_format.conversation`), refused before any tokenizing when
+        it certainly exceeds the context (module docstring)."""
+        self.check_items(token, len(request.messages) + len(request.tools))
+        try:
+            messages, tools = conversation(request, self.chat)
+        except ValueError as error:  # a call's arguments no template can write
+            raise GatewayError(400, f"the chat template cannot render these messages: {error}",
+                               "invalid_messages") from None
+        chars = sum(len(message.content) for message in messages)
+        if chars > self.max_chars:
+            self._refuse_context(token, f"the messages hold {chars} characters; no more than {self.max_chars} fit "
+                                        f"the context of {self.limits.max_context_tokens} tokens "
+                                        "(rollout.max_context_tokens)")
+        return messages, tools
+
+    def _refuse_context(self, token: str, message: str) -> None:
+        with self._lock:
+            episode = self._episodes.get(token)
+        if episode is None:
+            raise GatewayError(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
+        self._refuse(episode, "max_context", message)
+        raise GatewayError(400, message, "context_length_exceeded")
+
+    def _generate(self, episode: _Episode, request: ChatRequest,
+                  whole: tuple[list[ChatMessage], list[dict] | None]) -> tuple[GatewayCall, Completion]:
         """The call served for `request` (its call_idx is set when recorded) and its reply. A tool_choice
         that requires a call puts the call's opening at the prompt's end (`forced_prefix`): the policy
         writes, and is trained on, only the rest."""
-        prompt_ids, appended = self._prompt_ids(episode, request)
+        prompt_ids, appended = self._prompt_ids(episode, request, whole)
         forced = forced_prefix(request)
         if forced:
             prompt_ids = [*prompt_ids, *self.tokenizer.encode(forced, add_special_tokens=False)]
@@ -257,8 +317,10 @@ class GatewayCore:
                    for entry, ok in zip(json.loads(recorded.tool_calls), outcomes)]
         episode.calls[recorded.call_idx] = replace(recorded, tool_calls=json_text(entries))
 
-    def _prompt_ids(self, episode: _Episode, request: ChatRequest) -> tuple[list[int], bool]:
-        """(prompt ids, whether they extend the last call's prompt + response): module docstring."""
+    def _prompt_ids(self, episode: _Episode, request: ChatRequest,
+                    whole: tuple[list[ChatMessage], list[dict] | None]) -> tuple[list[int], bool]:
+        """(prompt ids, whether they extend the last call's prompt + response): module docstring. `whole`:
+        the whole conversation (`_conversation`), rendered when the request does not append."""
         with self._lock:
             last = episode.last.get(request.agent)  # each agent's conversation appends to its own
         if last is not None:
@@ -273,8 +335,7 @@ class GatewayCore:
                                                    tools=template_tools(request, self.chat))
                 return [*call.prompt_ids, *call.response_ids, *glue], True
         try:
-            messages, tools = conversation(request, self.chat)
-            return encode_conversation(self.tokenizer, messages, tools=tools), False
+            return encode_conversation(self.tokenizer, whole[0], tools=whole[1]), False
         except ValueError as error:  # a template that cannot render this conversation
             raise GatewayError(400, f"the chat template cannot render these messages: {error}", "invalid_messages") from None
 
@@ -307,6 +368,12 @@ class GatewayCore:
         queue, never under self._lock)."""
         with self._lock:
             return self._live
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` can stand for: its vocabulary's longest entry (a
+    byte-level entry is spelt one character per byte, so never shorter than its text)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 def cut_at_stop(tokenizer, ids: list[int], logprobs: list[float], finish: str, stops: tuple[str, ...],

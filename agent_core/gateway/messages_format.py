@@ -14,7 +14,9 @@ import json
 import uuid
 from typing import Any, Mapping
 
-from agent_core.gateway.openai_format import ChatRequest, Completion, RequestError, check_fields, parse_request
+from agent_core.gateway.openai_format import (
+    ChatRequest, Completion, RequestError, check_fields, listed, parse_request,
+)
 
 _ACCEPTED = {"model", "max_tokens", "messages", "system", "tools", "tool_choice", "temperature", "top_p",
              "stop_sequences", "stream", "metadata", "service_tier", "top_k", "thinking"}
@@ -34,7 +36,7 @@ def chat_request(body: Any) -> ChatRequest:
     for index, message in enumerate(body["messages"]):
         messages += _converted(message, index)
     choice, parallel = _tool_choice(body.get("tool_choice"))
-    chat = {"model": body.get("model", ""), "messages": messages, "tools": [_tool(t) for t in body.get("tools") or []],
+    chat = {"model": body.get("model", ""), "messages": messages, "tools": [_tool(t) for t in listed(body, "tools")],
             "tool_choice": choice, "parallel_tool_calls": parallel, "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "max_tokens": body["max_tokens"], "stop": body.get("stop_sequences"),
             "user": body["metadata"].get("user_id") if isinstance(body.get("metadata"), dict) else None,

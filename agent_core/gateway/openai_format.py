@@ -1,9 +1,11 @@
 """OpenAI chat-completions requests in, typed; the policy's chat messages out; OpenAI responses back.
 
 A field the gateway does not serve is refused by name, never ignored; so is any string that is not valid
-Unicode: a `RequestError` (HTTP 400). A streamed request gets the same completion as server-sent events. A conversation
-becomes the chat messages our `tool_env` gives with the hermes format (tools, `<tool_call>` blocks,
-`<tool_response>` turns), so a policy trained in either sees one convention.
+Unicode, JSON nested deeper than MAX_JSON_DEPTH (body or a call's arguments: json_checks.py) and a
+tool_call_id that is not a string: a `RequestError` (HTTP 400). A generated call whose arguments hold NaN
+or Infinity is not a call (JSON has neither). A streamed request gets the same completion as server-sent
+events. A conversation becomes the chat messages our `tool_env` gives with the hermes format (tools,
+`<tool_call>` blocks, `<tool_response>` turns), so a policy trained in either sees one convention.
 Design notes: docs/architecture.md §11 (agent_core/gateway/openai_format.py).
 """
 
@@ -15,15 +17,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from agent_core.envs.formats.actions import ParsedAction, ParsedCall
+from agent_core.envs.formats.actions import ActionError, ParsedAction, ParsedCall
 from agent_core.envs.formats.hermes import TOOL_CALL_OPEN, HermesFormat
 from agent_core.envs.tool_env import ChatCapabilities, add_instructions
+from agent_core.gateway.json_checks import MAX_JSON_DEPTH, arguments_problem, body_problem, is_plain_json, printable
 from agent_core.types import ChatMessage
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 _HERMES = HermesFormat()
-_AGENT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_AGENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # never ".", ".." or "-": it names files and episodes
 
 
 class RequestError(ValueError):
@@ -79,7 +82,7 @@ def parse_request(body: Any) -> ChatRequest:
     """The request in `body` (decoded JSON), or RequestError naming the bad field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    _check_unicode(body)
+    check_json(body)
     _check_served(body)
     if body.get("n", 1) != 1:
         raise RequestError(f"n={body.get('n')!r} is not supported: one choice per request (n=1)")
@@ -120,7 +123,8 @@ def agent_name(name: Any) -> str | None:
     if name is None or name == "":
         return None
     if not isinstance(name, str) or not _AGENT_NAME.fullmatch(name):
-        raise RequestError(f"agent name {str(name)[:80]!r}: 1-64 letters, digits, '_', '.' or '-'")
+        raise RequestError(f"agent name {str(name)[:80]!r}: 1-64 letters, digits, '_', '.' or '-', "
+                           "starting with a letter or digit")
     return name
 
 
@@ -130,8 +134,24 @@ def check_fields(body: Any, accepted: set[str], api: str = "") -> dict[str, Any]
         raise RequestError("the request body must be a JSON object")
     unknown = sorted(key for key in body if key not in accepted)
     if unknown:
-        raise RequestError(f"{', '.join(map(_printable, unknown))}: not supported by this gateway{api}")
+        raise RequestError(f"{', '.join(map(printable, unknown))}: not supported by this gateway{api}")
     return body
+
+
+def listed(body: Mapping[str, Any], key: str) -> list:
+    """`body[key]` when it is a list, [] when absent or null; else RequestError."""
+    value = body.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise RequestError(f"{key} must be a list")
+    return value
+
+
+def check_json(body: Any) -> None:
+    """RequestError when decoded JSON `body` is not what the gateway takes (json_checks.py)."""
+    if (problem := body_problem(body)) is not None:
+        raise RequestError(problem)
 
 
 def _check_served(body: Mapping[str, Any]) -> None:
@@ -195,34 +215,6 @@ def one_call_only(request: ChatRequest) -> bool:
     return bool(request.tools) and (not request.parallel_tool_calls or isinstance(request.tool_choice, dict))
 
 
-def _check_unicode(body: Any) -> None:
-    """RequestError naming the first string of `body`, keys included, that holds a lone surrogate."""
-    stack: list[tuple[str, Any]] = [("", body)]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, dict):
-            for key in value:
-                _check_text(key, f"a key of {where or 'the body'}")
-            stack.extend((f"{where}.{_printable(key)}" if where else _printable(key), item)
-                         for key, item in reversed(value.items()))
-        elif isinstance(value, list):
-            stack.extend((f"{where}[{index}]", item) for index, item in reversed(list(enumerate(value))))
-        elif isinstance(value, str):
-            _check_text(value, where)
-
-
-def _check_text(text: str, where: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:  # a Python str fails to encode only at a surrogate
-        raise RequestError(f"{where} holds a lone surrogate (\\u{ord(text[error.start]):04x} at character "
-                           f"{error.start}): text must be valid Unicode") from None
-
-
-def _printable(key: str) -> str:
-    return key.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def _number(body: Mapping[str, Any], key: str, low: float, high: float) -> float | None:
     value = body.get(key)
     if value is None:
@@ -234,7 +226,7 @@ def _number(body: Mapping[str, Any], key: str, low: float, high: float) -> float
 
 def _is_function_tool(tool: Any) -> bool:
     function = tool.get("function") if isinstance(tool, dict) else None
-    return (tool.get("type", "function") == "function" and isinstance(function, dict)
+    return (isinstance(function, dict) and tool.get("type", "function") == "function"
             and isinstance(function.get("name"), str) and bool(function["name"]))
 
 
@@ -250,6 +242,12 @@ def _check_message(message: Any, index: int) -> None:
     calls = message.get("tool_calls") or []
     if not isinstance(calls, list) or not all(_is_call(call) for call in calls):
         raise RequestError(f"messages[{index}].tool_calls must be a list of function calls with name and arguments")
+    for call in calls:
+        problem = arguments_problem(call["function"].get("arguments"), f"messages[{index}]: a tool call's arguments")
+        if problem is not None:
+            raise RequestError(problem)
+    if not isinstance(message.get("tool_call_id", ""), (str, type(None))):
+        raise RequestError(f"messages[{index}].tool_call_id must be a string")
 
 
 def _is_call(call: Any) -> bool:
@@ -349,7 +347,7 @@ def parse_tool_calls(text: str, request: ChatRequest) -> tuple[str, list[dict], 
     offered tools, the whole text as content otherwise. Content is the text before the first call."""
     if not request.tools or request.tool_choice == "none":
         return text, [], None
-    action = _HERMES.parse(text)
+    action = _writable_calls(_HERMES.parse(text))
     if not action.calls:
         return text, [], action
     content = text.split("<tool_call>", 1)[0].strip()
@@ -357,6 +355,18 @@ def parse_tool_calls(text: str, request: ChatRequest) -> tuple[str, list[dict], 
               "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
              for call in action.calls]
     return content, calls, action
+
+
+def _writable_calls(action: ParsedAction) -> ParsedAction:
+    """`action` less the calls whose arguments no API's reply could carry: NaN or Infinity (JSON has
+    neither; Python's json reads and writes them, a client's parser need not) or nesting deeper than
+    MAX_JSON_DEPTH. Such a call is malformed, as one that does not parse."""
+    kept = tuple(call for call in action.calls if is_plain_json(call.arguments))
+    if len(kept) == len(action.calls):
+        return action
+    error = ActionError("malformed_json", "a tool call's arguments hold NaN or Infinity, or nest deeper than "
+                                          f"{MAX_JSON_DEPTH} levels")
+    return ParsedAction(kept, None, (*action.errors, error))
 
 
 def error_body(message: str, kind: str, code: str | None = None) -> dict[str, Any]:

@@ -15,7 +15,9 @@ import time
 import uuid
 from typing import Any, Mapping
 
-from agent_core.gateway.openai_format import ChatRequest, Completion, RequestError, check_fields, parse_request
+from agent_core.gateway.openai_format import (
+    ChatRequest, Completion, RequestError, check_fields, listed, parse_request,
+)
 
 # fields a Responses request may carry; any other is refused by name
 _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "tools", "tool_choice", "temperature", "top_p", "max_output_tokens",
@@ -35,7 +37,7 @@ def chat_request(body: Any) -> ChatRequest:
     if text_format != "text":
         raise RequestError(f"text.format {text_format!r} is not supported: plain text only")
     messages = _messages(body.get("input"), body.get("instructions"))
-    chat = {"model": body.get("model", ""), "messages": messages, "tools": [_tool(t) for t in body.get("tools") or []],
+    chat = {"model": body.get("model", ""), "messages": messages, "tools": [_tool(t) for t in listed(body, "tools")],
             "tool_choice": _tool_choice(body.get("tool_choice", "auto")), "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "max_tokens": body.get("max_output_tokens")}
     if body.get("stream") is not None:

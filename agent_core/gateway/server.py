@@ -8,8 +8,11 @@
 Endpoints: `POST /v1/chat/completions`, `/v1/responses` (OpenAI's Responses API) and `/v1/messages`
 (Anthropic's), each also streamed, and `GET /v1/models`, over one recording per episode. A request
 needs its episode's token (`Authorization: Bearer` or `x-api-key`), else 401; `X-AgentR1-Agent`
-(or the body's `user`) names the program's agent; a body over `max_body_bytes` is 413. No endpoint
-returns recorded calls (only `finish_episode`, in this process). Bound to 127.0.0.1, a free port, and to a Unix socket
+(or the body's `user`) names the program's agent; a body over `max_body_bytes` is 413. A request costs
+little before it is refused: the body is checked before its conversation is tokenized (core.py), and an
+episode refused `max_refused` times gets 429 before its body is read. Whatever the body, an error is one
+line, in the reply and in the log (never an ASGI traceback). No endpoint returns recorded calls (only
+`finish_episode`, in this process). Bound to 127.0.0.1, a free port, and to a Unix socket
 (`unix_socket`) where a jailed program's own loopback is forwarded (envs/program_jail.py).
 Design notes: docs/architecture.md §6 (the gateway).
 """
@@ -28,6 +31,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable
 
+import anyio.from_thread
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,9 +39,11 @@ from starlette.concurrency import run_in_threadpool
 
 from agent_core.envs.tool_env import ChatCapabilities
 from agent_core.gateway import messages_format, responses_format
-from agent_core.gateway.core import EpisodeCalls, GatewayCore, GatewayError, GatewayLimits
+from agent_core.gateway.core import CLIENT_GONE, EpisodeCalls, GatewayCore, GatewayError, GatewayLimits
 from agent_core.gateway.chat_replies import completion_body, completion_chunks
-from agent_core.gateway.openai_format import ChatRequest, Completion, RequestError, agent_name, error_body, parse_request
+from agent_core.gateway.openai_format import (
+    ChatRequest, Completion, RequestError, agent_name, check_json, error_body, parse_request,
+)
 from agent_core.rollout.engine import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,6 +51,7 @@ log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 AGENT_HEADER = "x-agentr1-agent"  # which of the program's agents makes a call (schemas/steps.py `agent`)
 DEFAULT_MAX_BODY_BYTES = 4_000_000
+_CONVERSATION_LISTS = ("messages", "input", "tools")  # each API's conversation and tools, item by item
 _START_TIMEOUT_S = 30.0
 
 
@@ -63,25 +70,51 @@ def build_app(core: GatewayCore, max_body_bytes: int) -> FastAPI:
 
     async def serve(request: Request, to_chat: Callable[[Any], ChatRequest],
                     reply: Callable[[Completion, ChatRequest], Response], anthropic: bool = False) -> Response:
-        """Authenticate, read and convert the body, complete it under the episode's token, format the reply."""
+        """Authenticate, then `answer`; any failure is one line (module docstring)."""
         refuse = _refusal(anthropic)
         token = token_of(request)
         if token is None:
             return refuse(401, "unknown or finished episode token (OPENAI_API_KEY)", "invalid_api_key")
+        if core.throttled(token):
+            return refuse(429, f"this episode's requests were refused {core.limits.max_refused} times; "
+                               "the gateway refuses the rest", "too_many_refused_requests")
+
+        def refuse_counted(status: int, message: str, code: str) -> Response:
+            if status in (400, 413):
+                core.note_refused(token)
+            return refuse(status, message, code)
+        try:
+            return await answer(request, token, to_chat, reply, refuse_counted)
+        except Exception as error:  # noqa: BLE001 - whatever a body triggers, one line: a log is no flood
+            line = (str(error).splitlines() or [""])[0][:200]
+            log.warning("gateway: %s failed with %s: %s", request.url.path, type(error).__name__, line)
+            log.debug("gateway failure", exc_info=True)
+            return refuse(500, f"the gateway failed on this request ({type(error).__name__})", "internal_error")
+
+    async def answer(request: Request, token: str, to_chat: Callable[[Any], ChatRequest],
+                     reply: Callable[[Completion, ChatRequest], Response],
+                     refuse: Callable[[int, str, str], Response]) -> Response:
+        """Read, check and convert the body, complete it under the episode's token, format the reply."""
         try:
             raw = await _read_body(request, max_body_bytes)
         except _BodyTooLarge:
             return refuse(413, f"request body over the gateway's limit of {max_body_bytes} bytes", "request_too_large")
         try:
-            chat_request = to_chat(json.loads(raw))
-            if (named := request.headers.get(AGENT_HEADER)) is not None:
-                chat_request = replace(chat_request, agent=agent_name(named))
+            chat_request = _chat_request(core, token, raw, to_chat, request.headers.get(AGENT_HEADER))
         except (ValueError, RecursionError) as error:  # RequestError is a ValueError; so is bad JSON
             message = str(error) if isinstance(error, RequestError) else f"the body is not valid JSON: {error}"
             return refuse(400, message.splitlines()[0] if message else "bad request", "invalid_request")
-        try:
-            completion = await run_in_threadpool(core.complete, token, chat_request)
         except GatewayError as error:
+            return refuse(error.status, str(error), error.code)
+
+        def gone() -> bool:  # asked on the worker thread once the reply is generated; answered on the loop
+            return anyio.from_thread.run(request.is_disconnected)
+        try:
+            completion = await run_in_threadpool(core.complete, token, chat_request, gone)
+        except GatewayError as error:
+            if error.status == CLIENT_GONE:
+                log.info("gateway: a client disconnected before its reply; the call is not recorded")
+                return Response(status_code=CLIENT_GONE)
             return refuse(error.status, str(error), error.code)
         return reply(completion, chat_request)
 
@@ -117,6 +150,22 @@ def build_app(core: GatewayCore, max_body_bytes: int) -> FastAPI:
     return app
 
 
+def _chat_request(core: GatewayCore, token: str, raw: bytes, to_chat: Callable[[Any], ChatRequest],
+                  named: str | None) -> ChatRequest:
+    """The request in body `raw`: parsed (NaN and Infinity are not JSON), its conversation's length checked
+    against the context before any per-item work (`GatewayCore.check_items`), checked, converted."""
+    body = json.loads(raw, parse_constant=_not_json)
+    if isinstance(body, dict):
+        core.check_items(token, sum(len(body[key]) for key in _CONVERSATION_LISTS if isinstance(body.get(key), list)))
+    check_json(body)
+    chat_request = to_chat(body)
+    return chat_request if named is None else replace(chat_request, agent=agent_name(named))
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON value")
+
+
 def _replier(body_of: Callable[[Completion, ChatRequest, str], dict], events_of: Callable[[dict], list[dict]],
              model: str) -> Callable[[Completion, ChatRequest], Response]:
     """An API's reply: its body, or the body's events when the request streams."""
@@ -135,7 +184,8 @@ def _events(events: list[dict]) -> StreamingResponse:
 def _refusal(anthropic: bool) -> Callable[[int, str, str], JSONResponse]:
     """An error response in the API's own shape (OpenAI's, or Anthropic's for /v1/messages)."""
     def refuse(status: int, message: str, code: str) -> JSONResponse:
-        kind = {401: "authentication_error"}.get(status, "invalid_request_error")
+        kinds = {401: "authentication_error", 429: "rate_limit_error", 500: "api_error"}
+        kind = kinds.get(status, "invalid_request_error")
         body = {"type": "error", "error": {"type": kind, "message": message}} if anthropic \
             else error_body(message, kind, code)
         return JSONResponse(body, status_code=status)
