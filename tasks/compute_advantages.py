@@ -36,13 +36,23 @@ from agent_core.training.scoring import score_logprobs
 from tasks._common import completed_outputs, stage_logger, stage_task
 
 
+REWARD_LIMIT = 1e6  # |reward| of a step past which its episode is left out (no task pays that much)
+
+
 def steps_to_train(steps_uri: str, rewards_uri: str, failed_episodes: str) -> tuple[list[dict], int]:
     """The steps trained on, each with its tokens, log-probs and combined reward (the rewards table's
-    `reward`), and how many episodes were left out: failed ones (`algorithm.failed_episodes`) and
-    steps with no action. Those get no advantages row, so the trainer never sees them."""
+    `reward`), and how many episodes were left out: failed ones (`algorithm.failed_episodes`), steps
+    with no action, and episodes with a reward past REWARD_LIMIT (an env's 1e200 would overflow the
+    returns and fail this stage on every resume: left out, named in a warning). Those get no
+    advantages row, so the trainer never sees them."""
     rows = join_steps(steps_uri, ["group_id", "prompt_ids", "response_ids", "response_logprobs", "anchor", "done",
                                   "termination"], "rewards", rewards_uri, ["reward"])
-    left_out = {r["episode_id"] for r in rows if not r["response_ids"]}
+    huge = sorted({r["episode_id"] for r in rows if abs(r["reward"]) > REWARD_LIMIT})
+    if huge:
+        stage_logger("compute_advantages").warning(
+            "%s: %d episode(s) with a step reward past +-%g left out of training and of their groups' baselines: %s",
+            rewards_uri, len(huge), REWARD_LIMIT, ", ".join(huge[:5]) + (", ..." if len(huge) > 5 else ""))
+    left_out = {r["episode_id"] for r in rows if not r["response_ids"]} | set(huge)
     if failed_episodes == "exclude":
         left_out |= {r["episode_id"] for r in rows if r["done"] and r["termination"] == "error"}
     kept = [r for r in rows if r["episode_id"] not in left_out]

@@ -4,6 +4,7 @@ value and the iteration summary logs that value, also off the default weight and
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -84,3 +85,20 @@ def test_a_failed_episode_is_left_out_of_training_and_of_its_groups_baseline(tmp
     trained, left_out = _with_a_failed_episode(tmp_path, "train")  # the switch: kept, with its reward 0
     assert left_out == 0 and {r["episode_id"] for r in trained} == {"ep-0", "ep-1"}
     assert [r["reward"] for r in trained if r["done"]] == [1.0, 0.0]
+
+
+def test_an_episode_with_a_reward_past_the_limit_is_left_out_not_the_stage_failed(tmp_path):
+    """An env (a plugin's, say) paying 1e200: its returns would overflow and the advantages table would
+    fail its `finite` check on every resume. The episode is left out; the rest trains, finite."""
+    rows = steps_rows()
+    for row in rows:
+        row["env_reward"] = 1e200 if (row["episode_id"], row["step_idx"]) == ("ep-1", 0) else 0.0
+    steps_uri = write_table("steps", rows, tmp_path / "steps.parquet")
+    rewards_uri = str(tmp_path / "rewards.parquet")
+    label_steps_table(steps_uri, {"q0": ["Paris"]}, RewardConfig(format_weight=0.0), "r1", 0, rewards_uri)
+    kept, left_out = steps_to_train(steps_uri, rewards_uri, "exclude")
+    assert left_out == 1 and {r["episode_id"] for r in kept} == {"ep-0"}
+    batch = prepare_episodes([StepRewardRow(**{k: r[k] for k in ("episode_id", "group_id", "step_idx", "prompt_ids",
+                                                                "response_ids", "reward")}) for r in kept])
+    for result in estimate_step_advantages(batch, **estimator_settings(AlgorithmConfig())):
+        assert all(math.isfinite(a) for a in result.advantages + result.returns)
