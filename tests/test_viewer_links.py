@@ -21,7 +21,7 @@ from typing import Iterator
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.test_viewer import _Served
+from tests.viewer_served import Served
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -99,7 +99,7 @@ def test_each_run_links_to_its_mlflow_run_and_its_prefect_flow_run(served_uis):
     from agent_core.io.ui_links import ExternalUIs
 
     root, mlflow, prefect = served_uis
-    with _Served(root, uis=ExternalUIs(mlflow, prefect)) as served:
+    with Served(root, uis=ExternalUIs(mlflow, prefect)) as served:
         status, page = served.get("/")
         assert status == 200
         assert 'href="/to/mlflow/linked-run"' in page and 'href="/to/prefect/linked-run"' in page
@@ -126,11 +126,11 @@ def test_a_run_missing_from_a_ui_is_said_and_a_ui_that_is_down_gets_no_link(serv
     copy = tmp_path / "data"
     shutil.copytree(root / "runs", copy / "runs")
     shutil.move(copy / "runs/linked-run", copy / "runs/unknown-run")  # in neither UI's store
-    with _Served(copy, uis=ExternalUIs(mlflow, prefect)) as served:
+    with Served(copy, uis=ExternalUIs(mlflow, prefect)) as served:
         for ui in ("mlflow", "prefect"):
             status, page = served.get(f"/to/{ui}/unknown-run")
             assert status == 404 and f"run unknown-run was not found in {ui}" in page
     down = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
-    with _Served(root, uis=ExternalUIs(down, prefect)) as served:
+    with Served(root, uis=ExternalUIs(down, prefect)) as served:
         status, page = served.get("/")
     assert status == 200 and "/to/mlflow/" not in page and 'href="/to/prefect/linked-run"' in page
