@@ -136,24 +136,33 @@ def _layer(status: dict, name: str, apply, *args) -> bool:
     return True
 
 
+def _unshare_outer(spec: dict, status: dict) -> None:
+    """The user, mount, PID and network namespaces; where only the network one is refused (a container's
+    policy), the others still: the program then shares the host's network, and `status` says why."""
+    if not spec.get("host_network"):
+        try:
+            return _unshare(_NEWUSER | _NEWNS | _NEWPID | _NEWNET, "unshare(user, mount, pid, network namespaces)")
+        except OSError as error:
+            status["refused"]["network"] = str(error)
+            spec["host_network"] = True
+    _unshare(_NEWUSER | _NEWNS | _NEWPID, "unshare(user, mount, pid namespaces)")
+
+
 def _enter(spec: dict, status: dict) -> bool:
     """The outer namespaces and the mounts; False (and why, in `status`) if none could be made."""
     uid, gid = os.geteuid(), os.getegid()
     try:
-        _unshare(_NEWUSER | _NEWNS | _NEWPID | (0 if spec.get("host_network") else _NEWNET),
-                 "unshare(user, mount, pid, network namespaces)")
+        _unshare_outer(spec, status)
         _map_ids(uid, gid)
         _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done here reaches the caller's namespace
     except OSError as error:
         status["refused"] = {layer: str(error) for layer in LAYERS}
         return False
     status["layers"].append("pid_namespace")
-    try:
+    def hide_all() -> None:
         for hidden in spec["hide"]:
             _hide(hidden, [p for p in spec["expose"] if p == hidden or p.startswith(hidden.rstrip("/") + "/")])
-        status["layers"].append("hidden_paths")
-    except OSError as error:
-        status["refused"]["hidden_paths"] = str(error)
+    _layer(status, "hidden_paths", hide_all)
     _layer(status, "read_only_root", _read_only_root)
     _layer(status, "private_dev", _private_dev)
     if spec.get("scratch"):
