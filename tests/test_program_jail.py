@@ -159,14 +159,15 @@ def test_without_the_jail_the_same_program_steals_tokens(engine_and_tokenizer, t
 
 ESCAPER = textwrap.dedent("""
     import os, subprocess, sys, time
-    marker, ready = sys.argv[1], sys.argv[2]
+    marker, ready = sys.argv[1], os.path.join(os.environ["TMPDIR"], "ready-")  # its scratch: writable when jailed
     for k, how in enumerate(("os.setpgid(0, 0)", "os.setsid()")):
         subprocess.Popen([sys.executable, "-c", f"import os, time; {how}; open({ready!r} + '{k}', 'w').close(); "
                           "time.sleep(60)", marker])
     deadline = time.time() + 20
     while not all(os.path.exists(ready + str(k)) for k in range(2)) and time.time() < deadline:
         time.sleep(0.02)  # both have left the process group before the program ends
-    print('{"answer": "left two behind"}')
+    started = all(os.path.exists(ready + str(k)) for k in range(2))
+    print('{"answer": "%s"}' % ("left two behind" if started else "they never started"))
 """)
 
 
@@ -186,7 +187,7 @@ def test_a_grandchild_that_leaves_the_group_dies_with_the_program(tmp_path, jail
     program = tmp_path / "escaper.py"
     program.write_text(ESCAPER)
     marker = f"agentr1-escape-{os.getpid()}-{time.monotonic_ns()}"
-    spec = ProgramSpec(command=(sys.executable, str(program), marker, str(tmp_path / "ready-")), timeout_s=30)
+    spec = ProgramSpec(command=(sys.executable, str(program), marker), timeout_s=30)
     jail = ProgramJail.around([tmp_path / "root-none"]) if jailed else None
     try:
         outcome = run_program(spec, ProgramJob("e0", {}, {}), jail)
