@@ -1,17 +1,11 @@
 """The agent program's jail: run as `python -I -S program_jail.py SPEC` by `agent_core.envs.agent_program`.
 
-Standard library only. It enters a new user + mount + PID (+ network) namespace, hides each `hide`
-path under an empty read-only tmpfs (the data root) with each `expose` path bound back read-only (the
-corpus), makes every other mount read-only, gives the program a private /dev and a tmpfs over its
-`scratch` folder (its only writable place), and forks the namespace's init. The init mounts a
-private /proc, brings up the namespace's own loopback where the gateway's port is forwarded to the
-gateway's Unix socket (nothing else is reachable), nests one more user + mount namespace, as an
-unprivileged uid, so none of this can be undone, then runs the program and waits for it. When the
-program exits the init exits with its status and the kernel kills every process left in the
-namespace, whatever it called (setsid, setpgid, double forks). See docs/reliability.md.
-
-The status line (JSON: layers applied, why each missing one was refused) goes to `status_fd`, which
-is closed before the program starts; a layer the kernel refuses is left out and the rest still apply.
+Standard library only. New user, mount, PID and network namespaces: `hide` paths under an empty tmpfs
+(`expose` bound back), every mount read-only, a private /dev, a tmpfs `scratch`. The namespace's init
+mounts /proc, forwards the loopback's gateway port to the gateway's Unix socket, locks it all in a
+nested namespace as uid 65534 and runs the program; when it exits every process left dies with the
+init. The status line (layers applied, why any was refused) goes to `status_fd`, closed before the
+program starts. Layers: docs/architecture.md §6, attacks: docs/reliability.md.
 """
 
 import ctypes

@@ -8,13 +8,10 @@
 Endpoints: `POST /v1/chat/completions`, `/v1/responses` (OpenAI's Responses API) and `/v1/messages`
 (Anthropic's), each also streamed, and `GET /v1/models`, over one recording per episode. A request
 needs its episode's token (`Authorization: Bearer` or `x-api-key`), else 401; `X-AgentR1-Agent`
-(or the body's `user`) names the program's agent; a body over `max_body_bytes` is 413. A request costs
-little before it is refused: the body is checked before its conversation is tokenized (core.py), and an
-episode refused `max_refused` times gets 429 before its body is read. Whatever the body, an error is one
-line, in the reply and in the log (never an ASGI traceback). No endpoint returns recorded calls (only
-`finish_episode`, in this process). Bound to 127.0.0.1, a free port, and to a Unix socket
-(`unix_socket`) where a jailed program's own loopback is forwarded (envs/program_jail.py).
-Design notes: docs/architecture.md §6 (the gateway).
+(or the body's `user`) names the program's agent; a body over `max_body_bytes` is 413, a throttled
+episode 429 (core.py bounds a request's cost before tokenizing); any error is one line. No endpoint
+returns recorded calls. Bound to 127.0.0.1, a free port, and to a Unix socket (`unix_socket`) where a
+jailed program's loopback is forwarded (envs/program_jail.py). Design: docs/architecture.md §6.
 """
 
 from __future__ import annotations
