@@ -1,10 +1,11 @@
 """The run's placement, device memory and process-level resources, owned by one object for a run.
 
 `RunResources` sets up, on entry, the run's device and `placement` (with its cluster session on a
-cluster run) and, when one process trains and generates, the engines' loan of the trainer's resident
-policy (or of its inference copy in the engine's dtype); it frees, on exit, normal or not and each
-step even if one before failed: the pooled engines, the cluster, the background writer (its queue
-first), the resident policy and the lender, the shared BM25 indexes, then the CUDA cache.
+cluster run), the run's disk budget (the free space every checkpoint, optimizer state and table write
+leaves: io/disk_budget.py) and, when one process trains and generates, the engines' loan of the trainer's
+resident policy (or of its inference copy in the engine's dtype); it frees, on exit, normal or not and
+each step even if one before failed: the pooled engines, the cluster, the background writer (its queue
+first), the resident policy and the lender, the shared BM25 indexes, the CUDA cache, then the budget.
 Design notes: docs/architecture.md §11 (agent_core/run_resources.py).
 """
 
@@ -21,7 +22,7 @@ from agent_core.cluster.placement import Placement
 from agent_core.config import PipelineConfig
 from agent_core.devices import resolve_device
 from agent_core.envs.search import clear_shared_indexes
-from agent_core.io import background
+from agent_core.io import background, disk_budget
 from agent_core.rollout import engines
 from agent_core.rollout.inference_copy import CopyLease, InferenceCopy, parameter_dtype
 from agent_core.training import resident
@@ -43,9 +44,13 @@ class RunResources:
         self.colocated = where.colocated(config.runtime.keep_policy_in_memory)
         self._stack: ExitStack | None = None
         self._copies: dict[torch.dtype, InferenceCopy] = {}  # the engines' bf16 copies of the policy (on CUDA)
+        self._budget: ExitStack | None = None  # the run's disk margin, in force from entry to the very end
 
     def __enter__(self) -> "RunResources":
         self.device = resolve_device(self.device_setting)
+        self._budget = ExitStack()
+        margin = self.config.checkpoints.disk_margin_mb * disk_budget.MIB
+        self._budget.enter_context(disk_budget.margin_for_run(margin, self.config.run_id))
         self._stack = ExitStack()
         if self.colocated:
             self._stack.enter_context(engines.lending(self._lend))
@@ -89,6 +94,9 @@ class RunResources:
         step("search indexes", clear_shared_indexes)
         if self.device is not None and self.device.type == "cuda":
             step("CUDA cache", torch.cuda.empty_cache)
+        if self._budget is not None:  # last: whatever the steps above still write is under the run's margin
+            step("disk budget", self._budget.close)
+            self._budget = None
         if failures and error is None:
             raise failures[0]
 

@@ -29,9 +29,11 @@ from agent_core.io.run_files import check_run_writable
 from flows.configs_lookup import resolve_config, shipped_configs
 from flows.environment import configure_environment, start_temporary_server
 from flows.input_checks import check_eval_inputs, check_rerun_inputs, check_run_id
+from flows.prune_command import add_prune_arguments, disk_full_line
 
 DEFAULT_DATA_ROOT = "data"
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
+DISK_FULL = 1  # a run (or another command) stopped by a full disk or the disk budget: free space, then resume
 AUDIT_STOPPED = 3  # train / resume: the audit ended the run early (audit.on_alert: stop); a script must not read "done"
 
 
@@ -89,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     add("runs", "list runs: status (running, finished, failed, stopped, killed), iterations done, last dev EM, algorithm")
+    add_prune_arguments(add("prune", "delete the checkpoints, optimizer states and model versions a run's "
+                            "checkpoints: section lets go (e.g. runs recorded before retention); refuses a run being written"))
     audit = add("audit", "run every health check (the run's audit: section) over a run's tables; exit 1 when one fails")
     audit.add_argument("--run-id", required=True)
     audit.add_argument("--checks", metavar="FILE", help="YAML with more audit checks and thresholds (the keys of an "
@@ -155,7 +159,7 @@ def _resume(args: argparse.Namespace) -> int:
                                 f"`agentr1 train --run-id {args.run_id}`)")
     overrides = [*args.overrides, f"data_root={data_root}", f"run_id={args.run_id}"]
     config = check_runnable(load_config(run.config_path, overrides), str(run.config_path), overrides,
-                            policy_source=not run.initial_policy_dir.exists())
+                            policy_source=not run.has_initial_policy)
     check_run_free(run.lock_path, args.run_id)  # before it says it resumes (_run_training checks it again)
     check_run_writable(run.run_dir, args.run_id)
     print(f"agentr1: resuming run {args.run_id}: stages whose manifests match are skipped", flush=True)
@@ -182,15 +186,23 @@ def _train_holding_the_lock(config) -> int:
           f"{config.data.prompts_per_iteration} prompts x {config.rollout.group_size} samples "
           f"({config.algorithm.estimator}, {config.rollout.engine} engine); data root {Path(config.data_root).resolve()}",
           flush=True)
+    from agent_core.io.disk_budget import disk_full_tracebacks_dropped
     from flows.train import train  # imported after the environment is set: prefect reads it at import
 
     started = time.perf_counter()
     try:
         start_temporary_server()  # dies with this process, even a SIGKILLed one
-        result = train(config)
+        with disk_full_tracebacks_dropped():  # Prefect's failure lines stay, without a full disk's traceback
+            result = train(config)
     except KeyboardInterrupt:  # Ctrl-C: what to type next, not Python's traceback through Prefect
         print(_interrupted(config, time.perf_counter() - started), file=sys.stderr, flush=True)
         return INTERRUPTED
+    except Exception as error:  # a full disk, however a stage or Prefect wrapped it: one line and the resume
+        line = disk_full_line(config, error)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        return DISK_FULL
     _print_result(result, config.data_root, time.perf_counter() - started)
     return AUDIT_STOPPED if result.stopped else 0
 
@@ -260,7 +272,10 @@ def _rerun(args: argparse.Namespace) -> int:
     with command_holds_run(run.lock_path, args.run_id):
         configure_environment(data_root)
         start_temporary_server()
-        written = rerun_stage(data_root, args.run_id, args.iteration, args.stage, list(args.overrides))
+        from agent_core.io.disk_budget import disk_full_tracebacks_dropped
+
+        with disk_full_tracebacks_dropped():  # a full disk: main's one line, Prefect's lines without a traceback
+            written = rerun_stage(data_root, args.run_id, args.iteration, args.stage, list(args.overrides))
     print(f"agentr1: reran {args.stage} of run {args.run_id} iteration {args.iteration}: {written}")
     return 0
 
@@ -269,6 +284,12 @@ def _runs(args: argparse.Namespace) -> int:
     from flows.runs_command import runs_command
 
     return runs_command(Path(args.data_root or DEFAULT_DATA_ROOT))
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from flows.prune_command import prune_command
+
+    return prune_command(Path(args.data_root or DEFAULT_DATA_ROOT), args.run_ids, args.overrides, args.dry_run)
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -346,7 +367,8 @@ def _experiment(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": _train, "train": _train, "resume": _resume, "query": _query, "rerun": _rerun, "runs": _runs, "audit": _audit, "eval": _eval,
+COMMANDS = {"demo": _train, "train": _train, "resume": _resume, "query": _query, "rerun": _rerun, "runs": _runs, "prune": _prune,
+            "audit": _audit, "eval": _eval,
             "experiment": _experiment, "configs": _configs, "view": _view}
 
 
@@ -364,6 +386,15 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"agentr1: error: {printable(str(error))}", file=sys.stderr)
         return 2
+    except Exception as error:  # a full disk outside a run (rerun, eval, query --output): one line too
+        from agent_core.io.disk_budget import disk_full_cause, disk_full_summary
+        from agent_core.io.run_status import printable
+
+        if (cause := disk_full_cause(error)) is None:
+            raise
+        print(f"agentr1: error: {printable(disk_full_summary(cause))}; free space, then run the command again",
+              file=sys.stderr)
+        return DISK_FULL
     except KeyboardInterrupt:  # outside a run (train and resume say how to resume)
         print(f"agentr1: interrupted: {args.command} stopped", file=sys.stderr, flush=True)
         return INTERRUPTED

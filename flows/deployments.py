@@ -18,6 +18,7 @@ from prefect import flow
 
 from agent_core.config_errors import deployment_overrides
 from agent_core.io.layout import RunLayout, new_run_id
+from agent_core.io.tombstones import pruned_message
 from agent_core.validation import load_config
 from flows.configs_lookup import recorded_config, resolve_config
 from flows.environment import quiet_progress_bars
@@ -117,6 +118,8 @@ def _agent_checkpoint(run: RunLayout, iteration: int | None, checkpoint: str | N
     path = run.checkpoint_dir(iteration)
     if not path.is_dir():
         saved = [k for k in run.iterations() if run.checkpoint_dir(k).is_dir()]
-        raise FileNotFoundError(f"run {run.run_id!r} has no checkpoint of iteration {iteration} at {path}; "
-                                f"iterations with one: {', '.join(map(str, saved)) or 'none yet'}")
+        pruned = pruned_message(path)
+        raise FileNotFoundError(f"run {run.run_id!r} has no checkpoint of iteration {iteration} at {path}"
+                                + (f" ({pruned})" if pruned else "")
+                                + f"; iterations with one: {', '.join(map(str, saved)) or 'none yet'}")
     return str(path)

@@ -22,6 +22,7 @@ from agent_core.config import DataConfig
 from agent_core.eval.methods import EVAL_METHODS, EvalSettings
 from agent_core.io.layout import DataRoot, RunLayout, check_id, new_run_id
 from agent_core.io.model_registry import is_model_uri, registered_checkpoint
+from agent_core.io.retention import reading_checkpoints
 from agent_core.rollout.engines import shutdown_engines
 from flows.environment import quiet_progress_bars
 from tasks.evaluate import evaluate, log_eval, publish_eval_report, settings_params, write_eval_report
@@ -103,9 +104,12 @@ def evaluate_methods(
     holds the label.
     """
     quiet_progress_bars()  # a worker's flow run never went through configure_environment
+    # a training run's retention leaves the checkpoints read here until the evaluation ends
+    held = sorted({path for path in checkpoints.values() if Path(path).is_dir()})
     try:
-        return _evaluate_methods(data_root, checkpoints, methods, data, dataset, split, seeds, settings, limit,
-                                 eval_id, tracking_uri, method_of)
+        with reading_checkpoints(held):
+            return _evaluate_methods(data_root, checkpoints, methods, data, dataset, split, seeds, settings, limit,
+                                     eval_id, tracking_uri, method_of)
     finally:
         shutdown_engines()  # vLLM servers stay warm across methods and seeds, not after the evaluation
 

@@ -29,6 +29,7 @@ def check_run_id(run_id: str, option: str = "--run-id") -> str:
 def check_rerun_inputs(data_root: str | Path, run_id: str, iteration: int, stage: str) -> None:
     """The iteration is one of the run's (its recorded config's `iterations`) and what the stage reads
     of it exists; ValueError or FileNotFoundError in one line otherwise."""
+    from agent_core.io.tombstones import pruned_message
     from flows.configs_lookup import recorded_config
 
     run, config = recorded_config(data_root, run_id)
@@ -39,6 +40,9 @@ def check_rerun_inputs(data_root: str | Path, run_id: str, iteration: int, stage
                          f"(its config: iterations: {config.iterations}); {has}")
     missing = [str(path) for path in (_input_path(run, iteration, name) for name in STAGE_INPUTS[stage])
                if not path.exists()]
+    pruned = [message for path in missing if (message := pruned_message(path))]
+    if pruned:
+        raise FileNotFoundError(f"--iteration {iteration} --stage {stage}: {pruned[0]}")
     if missing:
         raise FileNotFoundError(f"--iteration {iteration} --stage {stage}: run {run_id!r} has not written what "
                                 f"{stage} reads yet ({', '.join(missing)}); {has}")
@@ -58,6 +62,7 @@ def check_eval_inputs(data_root: str | Path, run_id: str, split: str, checkpoint
     (a registered `models:/` checkpoint is resolved by the command itself)."""
     from agent_core.data.loaders import SPLITS
     from agent_core.io.model_registry import is_model_uri
+    from agent_core.io.tombstones import read_tombstone
     from flows.configs_lookup import recorded_config
 
     if split not in SPLITS:
@@ -70,8 +75,10 @@ def check_eval_inputs(data_root: str | Path, run_id: str, split: str, checkpoint
                                 "model models:/NAME/VERSION or models:/NAME@ALIAS")
     if iteration is not None and not run.checkpoint_dir(iteration).is_dir():
         done = [k for k in run.iterations() if run.checkpoint_dir(k).is_dir()]
+        pruned = "it was pruned by checkpoint retention (the run's checkpoints: section); " if read_tombstone(
+            run.checkpoint_dir(iteration)) else ""
         raise FileNotFoundError(f"--iteration {iteration}: run {run_id!r} has no checkpoint of iteration {iteration}; "
-                                + (f"it has checkpoints of {_iterations(done)}" if done else "it has none yet"))
+                                + pruned + (f"it has checkpoints of {_iterations(done)}" if done else "it has none yet"))
 
 
 def check_registered_checkpoint(run, config, checkpoint: str | None) -> None:

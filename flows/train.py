@@ -28,6 +28,7 @@ from tasks.init_policy import init_critic, init_policy
 from tasks.label_rewards import label_rewards
 from tasks.ledger import record_ledger
 from tasks.prepare_data import DatasetUris, prepare_data, prepare_dataset
+from tasks.prune import prune_checkpoints
 from tasks.rollout import rollout
 from tasks.run_config import record_config, recording_end, writing_run
 from tasks.track import finish_tracking, log_iteration, report_run, start_tracking
@@ -88,7 +89,7 @@ def train(config: PipelineConfig) -> TrainResult:
         config = config.model_copy(update={"run_id": new_run_id()})
     name_flow_run(config.run_id)  # Prefect's UI lists the run's flow runs under its id (`agentr1 view` links there)
     # a missing checkpoint or engine fails before the run folder exists (unless the run copied its policy already)
-    check_runnable(config, policy_source=not DataRoot(Path(config.data_root)).run(config.run_id).initial_policy_dir.exists())
+    check_runnable(config, policy_source=not DataRoot(Path(config.data_root)).run(config.run_id).has_initial_policy)
     # The run's device, engines, cluster, writer thread, resident policy and search indexes: placed
     # on entry, freed on exit in one visible order (agent_core/run_resources.py).
     with RunResources(config) as resources:
@@ -101,12 +102,14 @@ def train(config: PipelineConfig) -> TrainResult:
 
 def _finish_iteration(run: RunLayout, k: int, checkpoint: str, dataset: DatasetUris, config: PipelineConfig,
                       eval_settings, tracking, reports: list, audits: list) -> tuple[str, int]:
-    """After iteration k's training: evaluate if due, log it, audit it; the new policy and its version (k + 1)."""
+    """After iteration k's training: evaluate if due, log it, audit it, prune; the new policy and its version (k + 1)."""
     if _evaluates_after(k, config):
         dev_eval(run, k, checkpoint, dataset, config.dev_eval, eval_settings)
     reports.append(log_iteration(run, k, tracking, checkpoint))
     offers_tools = env_offers_tools(config.rollout.env, config.rollout.env_kwargs)
     audits.append(audit_iteration(run, k, config.audit, tracking, offers_tools=offers_tools))  # behaviour health checks
+    # what checkpoints.* lets go, now that k is committed (files, then the run's registered versions)
+    prune_checkpoints(run, k, config.checkpoints, tracking.tracking_uri, tracking.model_name)
     record_ledger(run, k, config)  # the iteration's stage seconds, the audit's too, priced (README "What a run cost")
     return checkpoint, k + 1
 

@@ -114,7 +114,9 @@ def log_iteration(run: RunLayout, iteration: int, ref: TrackingRef, checkpoint_d
             stage_logger("log_iteration").info("iteration %d: %d episodes logged as MLflow traces in %.2fs",
                                                iteration, traced, metrics["traces_seconds"])
         tracker.log_metrics(ref.mlflow_run_id, metrics, step=iteration)
-    if _registers(ref, tracker, model_name, iteration, summary.dev_em):
+    if not Path(checkpoint_dir).exists():  # pruned by checkpoint retention, its version (if any) with it
+        version = tracker.find_checkpoint(ref.mlflow_run_id, model_name, iteration)
+    elif _registers(ref, tracker, model_name, iteration, summary.dev_em):
         version = tracker.register_checkpoint(ref.mlflow_run_id, Path(checkpoint_dir), model_name, iteration,
                                               dev_em=summary.dev_em, algorithm=ref.algorithm or None)
     else:  # registered before (a resumed run with another register_every), or None

@@ -29,6 +29,7 @@ from agent_core.io.checkpoints import check_checkpoint
 from agent_core.io.layout import RUN_TABLES, DataRoot
 from agent_core.io.manifests import fingerprint, read_manifest
 from agent_core.io.tables import read_table
+from agent_core.io.tombstones import read_tombstone
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUN_ID = "killed"
@@ -209,7 +210,8 @@ def visible_problems(data_root: Path, run_id: str = RUN_ID) -> list[str]:
 def snapshot(data_root: Path, run_id: str = RUN_ID) -> dict[str, object]:
     """The run's tables (minus wall-clock columns) and checkpoint file hashes, for equality."""
     run = DataRoot(data_root).run(run_id)
-    result: dict[str, object] = {}
+    result: dict[str, object] = {f"initial/{file.name}": hashlib.sha256(file.read_bytes()).hexdigest()
+                                 for file in sorted(run.initial_policy_dir.glob("*.safetensors"))}
     for iteration_dir in sorted(run.run_dir.glob("iteration=*")):
         k = int(iteration_dir.name.split("=")[1])
         for table in RUN_TABLES:
@@ -220,8 +222,12 @@ def snapshot(data_root: Path, run_id: str = RUN_ID) -> dict[str, object]:
                 if "info" in row:  # seconds inside the step info are wall-clock too
                     row["info"] = {key: v for key, v in json.loads(row["info"]).items() if not key.endswith("_seconds")}
             result[f"{k}/{table}"] = rows
+        if not run.checkpoint_dir(k).is_dir():  # pruned by retention: the resumed run must have pruned it too
+            result[f"{k}/checkpoint"] = "pruned" if read_tombstone(run.checkpoint_dir(k)) else "missing"
+            continue
         for file in sorted(run.checkpoint_dir(k).iterdir()):
             result[f"{k}/checkpoint/{file.name}"] = hashlib.sha256(file.read_bytes()).hexdigest()
+    result["registered"] = registered_iterations(data_root)  # what registry retention kept
     return result
 
 
@@ -249,8 +255,9 @@ def kill_and_resume(point: KillPoint, data_root: Path, reference: dict, iteratio
         return point, failures + [f"resume failed (exit {code}):\n{output[-3000:]}"]
     failures += [f"after resuming: {p}" for p in visible_problems(data_root)]
     failures += snapshot_differences(reference, snapshot(data_root))
-    if registered_iterations(data_root) != list(range(iterations)):
-        failures.append(f"model versions by iteration: {registered_iterations(data_root)}, want one per iteration")
+    if registered_iterations(data_root) != reference.get("registered"):
+        failures.append(f"model versions by iteration: {registered_iterations(data_root)}, want those of the "
+                        f"uninterrupted run: {reference.get('registered')}")
     failures += [f"left behind: {p}" for p in leftover_files(data_root)]
     return dataclasses.replace(point, seconds=time.perf_counter() - started), failures
 

@@ -26,7 +26,8 @@ from agent_core.io.layout import RUN_TABLES, DataRoot
 from agent_core.io.manifests import StageRecord
 from agent_core.io.run_status import record_run_end, run_status
 from flows.cli import main as cli_main
-from kill_harness import RUN_ID, prefect_api_url, registered_iterations, run_cli, snapshot, train_args
+from kill_harness import RUN_ID, prefect_api_url, registered_iterations, run_cli, snapshot
+from kill_harness import train_args as _train_args
 from tasks.run_config import recording_end
 
 # Tables with wall-clock columns (kill_harness.TIMING_COLUMNS): a redone stage writes them with other
@@ -39,6 +40,12 @@ CLOCKED = ("steps.parquet", "train_metrics.parquet", "ledger.parquet")
 ITERATION_0 = [f"iteration=0/_manifests/{s}.json" for s in ("rollout", "label_rewards", "compute_advantages",
                                                              "train", "log_iteration", "audit")]
 AUDIT_1 = "iteration=1/_manifests/audit.json"
+
+
+def train_args() -> list[str]:
+    """The kill tests' run, keeping every iteration's files: damaging iteration 0's checkpoint or
+    optimizer state needs them there (retention's own resume is tests/test_kill_resume.py's)."""
+    return [*_train_args(), "--set", "checkpoints.keep_all=true"]
 
 
 def _damage(path: Path, how: str) -> None:

@@ -12,6 +12,7 @@ from agent_core.io.query import run_query
 from agent_core.io.tables import read_table
 from agent_core.validation import load_config
 from flows.cli import main as cli_main
+from agent_core.io.tombstones import read_tombstone
 from flows.rerun import rerun_stage
 from flows.train import train
 from tasks.track import TrackingRef, log_iteration
@@ -32,7 +33,13 @@ def test_every_stage_wrote_its_table_for_every_iteration(trained):
     for k in range(config.iterations):
         for table in RUN_TABLES:
             assert Path(run.table_uri(k, table)).is_file(), (k, table)
-        assert (run.checkpoint_dir(k) / "model.safetensors").is_file()
+    # retention's defaults (checkpoints.keep_last: 1; no dev EM above the others): only the newest
+    # iteration keeps its checkpoint and optimizer state; the older ones leave tombstones
+    newest = config.iterations - 1
+    assert (run.checkpoint_dir(newest) / "model.safetensors").is_file() and run.optimizer_state_path(newest).is_file()
+    for k in range(newest):
+        assert not run.checkpoint_dir(k).exists() and not run.optimizer_state_path(k).exists(), k
+        assert read_tombstone(run.checkpoint_dir(k)) is not None and read_tombstone(run.optimizer_state_path(k)), k
     steps = read_table("steps", run.table_uri(0, "steps"))
     episodes = set(steps.column("episode_id").to_pylist())
     assert len(episodes) == config.data.prompts_per_iteration * config.rollout.group_size
@@ -63,7 +70,9 @@ def test_mlflow_has_the_run_metrics_and_one_model_version_per_iteration(trained)
         history = client.get_metric_history(result.mlflow_run_id, metric)
         assert [m.step for m in history] == list(range(config.iterations)), metric
     versions = client.search_model_versions(f"name='{result.model_name}'")
-    assert sorted(int(v.version) for v in versions) == list(range(1, config.iterations + 1))
+    # one version per iteration was registered; retention (checkpoints.keep_last: 1) deleted the older ones
+    assert sorted(int(v.version) for v in versions) == [config.iterations]
+    assert [v.tags["iteration"] for v in versions] == [str(config.iterations - 1)]
     assert result.model_version == config.iterations
 
 
@@ -97,9 +106,10 @@ def test_relogging_an_iteration_adds_no_metric_point(trained):
     run = root.run("e2e")
     ref = TrackingRef(result.tracking_uri, root.mlflow_artifacts.resolve().as_uri(), config.tracking.experiment,
                       result.mlflow_run_id)
-    run.manifest_path("log_iteration", 0).unlink()
-    log_iteration.fn(run, 0, ref, str(run.checkpoint_dir(0)), result.model_name)
-    assert run.manifest_path("log_iteration", 0).is_file()
+    for k in (0, config.iterations - 1):  # a pruned checkpoint (0) and the kept one
+        run.manifest_path("log_iteration", k).unlink()
+        log_iteration.fn(run, k, ref, str(run.checkpoint_dir(k)), result.model_name)
+        assert run.manifest_path("log_iteration", k).is_file()
     client = MlflowClient(result.tracking_uri)
     for metric in ("mean_reward", "em", "loss", "dev_em"):
         assert [m.step for m in client.get_metric_history(result.mlflow_run_id, metric)] == list(
@@ -167,9 +177,11 @@ def test_cli_eval_of_one_iteration_runs_that_iterations_checkpoint(trained, caps
     run = root.run("e2e")
     argv = ["eval", "--run-id", "e2e", "--methods", "agent", "--seeds", "1", "--limit", "1", "--greedy",
             "--data-root", str(root.path), "--eval-id", "it0"]
-    assert cli_main([*argv, "--iteration", "0"]) == 0
+    assert cli_main([*argv, "--iteration", "1"]) == 0
     table = read_table("eval", root.eval_table_uri("it0", "agent", 0))
-    assert set(table.column("checkpoint").to_pylist()) == {str(run.checkpoint_dir(0))}
+    assert set(table.column("checkpoint").to_pylist()) == {str(run.checkpoint_dir(1))}
     capsys.readouterr()
+    assert cli_main([*argv[:-1], "it0", "--iteration", "0"]) == 2  # retention pruned it once iteration 1 committed
+    assert "pruned by checkpoint retention" in capsys.readouterr().err
     assert cli_main([*argv[:-1], "it9", "--iteration", "9"]) == 2
     assert "has no checkpoint of iteration 9" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import pytest
 from agent_core.config import TrainerConfig
 from agent_core.failpoints import TRACE_ENV, _selects, failpoint
 from agent_core.io.layout import DataRoot
+from agent_core.io.tombstones import read_tombstone
 from agent_core.io.manifests import ABSENT, ManifestError, StageRecord, fingerprint, params_hash, read_manifest
 from agent_core.validation import load_config
 from flows.train import train
@@ -220,8 +221,10 @@ def test_a_rerun_skips_completed_stages_and_a_changed_config_reruns_what_it_affe
     after = _manifest_times(run)
     assert sorted(name for name in done if after[name] != done[name]) == [
         f"iteration=0/_manifests/{stage}.json"
-        for stage in ("audit", "compute_advantages", "label_rewards", "log_iteration", "rollout", "train")] + [
+        for stage in ("audit", "compute_advantages", "label_rewards", "log_iteration", "prune", "rollout", "train")] + [
         "iteration=1/_manifests/audit.json"]  # the audit of iteration k reads iterations 0..k
+    # the redone training wrote iteration 0's checkpoint again; its prune (rerun: a new train manifest) took it again
+    assert not run.checkpoint_dir(0).exists() and read_tombstone(run.checkpoint_dir(0)) is not None
     assert snapshot(tmp_path, "resumed") == tables and repaired.model_version == 2
     done = after
 
@@ -230,9 +233,10 @@ def test_a_rerun_skips_completed_stages_and_a_changed_config_reruns_what_it_affe
     redone = sorted(name for name in done if after[name] != done[name])
     # iteration 0's data and rollout are upstream of training; everything after its update reruns
     assert redone == ["iteration=0/_manifests/audit.json", "iteration=0/_manifests/log_iteration.json",
-                      "iteration=0/_manifests/train.json", "iteration=1/_manifests/audit.json",
-                      "iteration=1/_manifests/compute_advantages.json", "iteration=1/_manifests/label_rewards.json",
-                      "iteration=1/_manifests/log_iteration.json", "iteration=1/_manifests/rollout.json",
+                      "iteration=0/_manifests/prune.json", "iteration=0/_manifests/train.json",
+                      "iteration=1/_manifests/audit.json", "iteration=1/_manifests/compute_advantages.json",
+                      "iteration=1/_manifests/label_rewards.json", "iteration=1/_manifests/log_iteration.json",
+                      "iteration=1/_manifests/prune.json", "iteration=1/_manifests/rollout.json",
                       "iteration=1/_manifests/train.json"]
     assert changed.model_version == 2
 

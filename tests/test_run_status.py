@@ -1,4 +1,4 @@
-"""`agentr1 runs`: each run's status (running, finished, failed, killed), iterations, last dev EM, algorithm."""
+"""`agentr1 runs`: each run's status (running, finished, failed, killed), iterations, last dev EM, algorithm, disk use."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from agent_core.io.disk_use import disk_use, human_bytes
 from agent_core.io.layout import DataRoot
 from agent_core.io.locks import run_lock
 from agent_core.io.run_status import record_run_end, run_status
@@ -54,5 +55,7 @@ def test_cli_runs_prints_a_row_per_run(run, capsys):
     record_run_end(run, "failed", "ValueError: bad")
     assert cli_main(["runs", "--data-root", str(run.data_root)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["run", "status", "iterations", "dev", "EM", "failed", "episodes", "algorithm"]
-    assert lines[1].split() == ["r1", "failed", "1/3", "-", "0/0", "rloo", "(ValueError:", "bad)"]
+    assert lines[0].split() == ["run", "status", "iterations", "dev", "EM", "failed", "episodes", "algorithm", "disk"]
+    size = disk_use(run.run_dir)  # a few folders and files: some kB
+    assert lines[1].split() == ["r1", "failed", "1/3", "-", "0/0", "rloo", *human_bytes(size).split(), "(ValueError:", "bad)"]
+    assert lines[2] == f"total: {human_bytes(size)} on disk in 1 run" and len(lines) == 3

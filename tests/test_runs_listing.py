@@ -1,6 +1,7 @@
 """`agentr1 runs` over a data root with damaged runs (issue 39 item 8): every readable run is
 listed, each problem is one line naming the run (or mlflow.db) and what is wrong, hidden folders
-are skipped, and the exit code is 1 when anything was unreadable (0 otherwise).
+are skipped, and the exit code is 1 when anything was unreadable (0 otherwise). Each row ends with the
+run folder's disk use (as `du` counts it: a hard link once), and the last line is the total.
 
 The runs are real folders with the files `agentr1 runs` reads (config.yaml, status.json, the
 log_iteration manifest, a dev_eval table written by the real writer): no training needed."""
@@ -8,13 +9,16 @@ log_iteration manifest, a dev_eval table written by the real writer): no trainin
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import sqlite3
 from contextlib import closing
 from pathlib import Path
 
 import pytest
 
+from agent_core.io.disk_use import human_bytes
 from agent_core.io.layout import DataRoot
 from agent_core.io.run_status import record_run_end
 from agent_core.io.tables import write_table
@@ -22,7 +26,8 @@ from flows.cli import main as cli_main
 from tests.test_schemas import steps_rows
 from tests.test_yaml_limits import bomb
 
-HEADER = ["run", "status", "iterations", "dev", "EM", "failed", "episodes", "algorithm"]
+HEADER = ["run", "status", "iterations", "dev", "EM", "failed", "episodes", "algorithm", "disk"]
+SIZE = re.compile(r"^(\d+ B|\d+\.\d [kMGTP]B)$")
 
 
 def _make_run(root: DataRoot, run_id: str, iterations_done: int = 2, em: float = 0.5) -> None:
@@ -85,9 +90,41 @@ DAMAGE = {
 
 
 def _listed(out: str) -> dict[str, list[str]]:
+    """Run id -> its row up to the algorithm; each row's disk column is a size and the last line the total."""
     lines = out.splitlines()
     assert lines[0].split() == HEADER, out
-    return {line.split()[0]: line.split() for line in lines[1:]}
+    assert lines[-1].startswith("total: "), out
+    rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert all(SIZE.match(" ".join(row[6:8])) for row in rows.values()), out
+    return {run_id: row[:6] for run_id, row in rows.items()}
+
+
+def _du(*paths: Path) -> int:
+    """What `du` says the paths hold together (an inode under two of them counted once)."""
+    out = subprocess.run(["du", "-s", "-c", "--block-size=1", *map(str, paths)], capture_output=True, text=True,
+                         check=True).stdout
+    return int(out.splitlines()[-1].split()[0])
+
+
+def test_each_run_shows_its_disk_use_counting_hard_links_once_and_the_total_at_the_bottom(root, capsys):
+    big = root.run("a-good").iteration_dir(0) / "checkpoint"
+    big.mkdir()
+    (big / "model.safetensors").write_bytes(os.urandom(3_000_000))
+    os.link(big / "model.safetensors", big / "same-inode.safetensors")  # counted once, as du does
+    models = root.mlflow_artifacts / "1" / "run" / "artifacts" / "checkpoints" / "iteration=0"
+    models.mkdir(parents=True)
+    os.link(big / "model.safetensors", models / "model.safetensors")  # a registered version's hard link
+    (models / "MLmodel").write_text("flavors: {}\n" * 500)
+    assert cli_main(["runs", "--data-root", str(root.path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: " ".join(line.split()[6:8]) for line in lines[1:-1]}
+    runs = [root.run(run_id).run_dir for run_id in ("a-good", "m-bad", "z-good")]
+    assert rows == {run.name: human_bytes(_du(run)) for run in runs}, lines
+    assert rows["a-good"].endswith(" MB") and rows["a-good"].startswith("3.")  # 3 MB once, not 6
+    beyond = _du(*runs, root.mlflow_artifacts) - _du(*runs)  # the MLmodel: the weights are the run's
+    assert 0 < beyond < 100_000
+    assert lines[-1] == (f"total: {human_bytes(_du(*runs))} on disk in 3 runs; "
+                         f"MLflow artifacts (mlartifacts/): {human_bytes(beyond)} more"), lines
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))

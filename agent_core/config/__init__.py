@@ -1,7 +1,7 @@
 """Pipeline configuration: frozen pydantic models loaded from YAML (docs/architecture.md §4).
 
 One module per section (data, policy, rollout, reward, algorithm, trainer, critic, warm_start,
-dev_eval, tracking, runtime, cluster, audit, cost), the whole run's model in `pipeline`, and loading (unknown keys,
+dev_eval, tracking, runtime, checkpoints, cluster, audit, cost), the whole run's model in `pipeline`, and loading (unknown keys,
 moved keys, `--set` overrides) in `loading`; every public name is re-exported here, so callers
 import from `agent_core.config`. docs/config.md is generated from these models.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 from agent_core.config._base import Section
 from agent_core.config.algorithm import AlgorithmConfig
 from agent_core.config.audit import BOUND_KEYS, AuditConfig, CheckBounds, UserCheck
+from agent_core.config.checkpoints import CheckpointsConfig
 from agent_core.config.cluster import ClusterConfig
 from agent_core.config.cost import CostConfig
 from agent_core.config.critic import CriticConfig
@@ -34,7 +35,7 @@ from agent_core.config.warm_start import WarmStartConfig
 from agent_core.config_errors import ConfigError  # re-exported: callers catch it from here
 
 __all__ = [
-    "AlgorithmConfig", "AuditConfig", "BOUND_KEYS", "CheckBounds", "ClusterConfig", "ConfigError", "CostConfig",
+    "AlgorithmConfig", "AuditConfig", "BOUND_KEYS", "CheckBounds", "CheckpointsConfig", "ClusterConfig", "ConfigError", "CostConfig",
     "CriticConfig", "DataConfig", "DevEvalConfig", "HFEngineConfig", "MOVED_KEYS", "PipelineConfig", "PolicyConfig",
     "PolicyLoraConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "Section", "TrackingConfig", "TrainerConfig",
     "UserCheck",

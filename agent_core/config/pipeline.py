@@ -11,6 +11,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from agent_core.config._base import Section
 from agent_core.config.algorithm import AlgorithmConfig
 from agent_core.config.audit import AuditConfig
+from agent_core.config.checkpoints import CheckpointsConfig
 from agent_core.config.cluster import ClusterConfig
 from agent_core.config.cost import CostConfig
 from agent_core.config.critic import CriticConfig
@@ -55,6 +56,8 @@ class PipelineConfig(Section):
     dev_eval: DevEvalConfig = DevEvalConfig()
     tracking: TrackingConfig = TrackingConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    checkpoints: CheckpointsConfig = Field(CheckpointsConfig(), description="which iterations' checkpoints and "
+                                           "optimizer states a run keeps, and the free space it needs before writing")
     cluster: ClusterConfig = ClusterConfig()
     audit: AuditConfig = Field(AuditConfig(), description="behaviour health checks after each iteration "
                                "(agent_core/config/audit.py)")

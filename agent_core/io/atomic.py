@@ -3,11 +3,13 @@
 The bytes go to a hidden temporary file beside the target (`.<name>.<random>.tmp`: a leading dot,
 so table globs and listings skip it, and `locks.sweep_temporaries` recognises a killed writer's
 leftover), are flushed and fsynced, and the file is renamed over the target with `os.replace`,
-atomic on one filesystem; then the folder is fsynced so the rename itself survives a power cut.
+atomic on one filesystem; then the folder is fsynced so the rename itself survives a power cut. A write
+that fails (a full disk included) removes its temporary, and a full disk's error names the target file.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
@@ -32,14 +34,17 @@ def atomic_file(path: str | os.PathLike, mode: str = "wb", failpoint_prefix: str
             sink.flush()
             os.fsync(sink.fileno())
         if failpoint_prefix:
-            failpoint(f"{failpoint_prefix}:temp_written")
+            failpoint(f"{failpoint_prefix}:temp_written", path)
         os.replace(temp_name, path)
-    except BaseException:
+    except BaseException as error:
         Path(temp_name).unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC and not error.filename:
+            # a write() or fsync() that found the disk full names no file: say which one it was
+            raise OSError(errno.ENOSPC, error.strerror or os.strerror(errno.ENOSPC), str(path)) from error
         raise
     fsync_directory(path.parent)
     if failpoint_prefix:
-        failpoint(f"{failpoint_prefix}:published")
+        failpoint(f"{failpoint_prefix}:published", path)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:

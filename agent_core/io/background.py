@@ -3,7 +3,8 @@
 After an iteration's training, the optimizer state and the train stage's manifest are written off the critical
 path: `submit` queues such jobs on one non-daemon writer thread and returns at once. Jobs run in submission
 order, each only if every earlier one succeeded; `wait()` returns when the queue is empty and raises the first
-failure, and every reader of what the jobs write calls it first. The manifest is still written last.
+failure, and every reader of what the jobs write calls it first. The manifest is still written last. A job
+writes under the disk budget of the code that queued it (io/disk_budget.py: the run's margin).
 Design notes: docs/architecture.md §11 (agent_core/io/background.py).
 """
 
@@ -13,6 +14,8 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from agent_core.io import disk_budget
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +36,16 @@ class _EarlierFailure(RuntimeError):
 def submit(label: str, job: Callable[[], object]) -> None:
     """Run `job` on the writer thread after every job submitted before it, unless one of them failed.
     `label` names it in errors and in `pending()` (e.g. "iteration 3: optimizer state")."""
+    budget = disk_budget.current()  # a context variable: the writer thread does not inherit the run's
+
     def run() -> None:
         with _lock:
             earlier = bool(_failures)
         if earlier:
             raise _EarlierFailure(f"{label}: not run, a background write before it failed")
         try:
-            job()
+            with disk_budget.using(budget):
+                job()
         except BaseException as error:
             with _lock:
                 _failures.append((label, error))

@@ -37,15 +37,23 @@ _CRITIC_FORMAT = 1
 
 
 def save_policy(model, tokenizer, directory: Path) -> Path:
-    """Write `model` (safetensors + config) and `tokenizer` to `directory`, replacing it if present."""
+    """Write `model` (safetensors + config) and `tokenizer` to `directory`, replacing it if present; too
+    little free disk for it and the run's margin raises DiskBudgetError first (io/disk_budget.py)."""
+    from agent_core.io.disk_budget import ensure_room, module_bytes, named_disk_full
+
     directory = Path(directory)
+    ensure_room(directory, module_bytes(model), "checkpoint")
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        failpoint("save_policy:staged")
+        failpoint("save_policy:staged", directory)
         swap_into_place(staging, directory)
+    except Exception as error:  # a full disk in safetensors' words names no file: name the checkpoint
+        if (named := named_disk_full(error, directory)) is None:
+            raise
+        raise named from error
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -121,8 +129,12 @@ def check_checkpoint(directory: Path) -> Path:
 
 def save_critic(critic: torch.nn.Module, directory: Path) -> Path:
     """Write a critic (its `backbone` and `value_head`: a training.critic.ValueModel) to `directory`,
-    replacing it if present, via a temporary sibling and a rename like a policy checkpoint."""
+    replacing it if present, via a temporary sibling and a rename like a policy checkpoint (after the
+    same disk budget check)."""
+    from agent_core.io.disk_budget import ensure_room, module_bytes, named_disk_full
+
     directory = Path(directory)
+    ensure_room(directory, module_bytes(critic), "critic")
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -133,6 +145,10 @@ def save_critic(critic: torch.nn.Module, directory: Path) -> Path:
                 "alignment": "position t = head(hidden[t-1]); position 0 = 0"}
         (staging / _CRITIC_META_FILE).write_text(json.dumps(meta, indent=2))
         swap_into_place(staging, directory)
+    except Exception as error:
+        if (named := named_disk_full(error, directory)) is None:
+            raise
+        raise named from error
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -1,8 +1,8 @@
 """Where things live under one data root (docs/architecture.md §5).
 
 `runs/<run_id>/` holds the run's config.yaml, initial_policy/ and one `iteration=<k>/` folder per iteration
-(its `<table>.parquet` tables, checkpoint/, optimizer.pt, _manifests/); `datasets/<dataset_id>/` the tables
-shared by every run of a dataset; `evals/<eval_id>/` evaluations; `prefect/`, `mlflow.db` and `mlartifacts/`
+(its `<table>.parquet` tables, checkpoint/, optimizer.pt, _manifests/; `<name>.pruned.json` where retention
+pruned one); `datasets/<dataset_id>/` the tables shared by every run of a dataset; `evals/<eval_id>/` evaluations; `prefect/`, `mlflow.db` and `mlartifacts/`
 the orchestration and tracking stores. Hive-style `iteration=<k>` folders let DuckDB read across runs.
 Design notes: docs/architecture.md §11 (agent_core/io/layout.py).
 """
@@ -14,6 +14,8 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from agent_core.io.tombstones import tombstone_path
 
 RUN_TABLES = ("prompts", "steps", "rewards", "advantages", "train_metrics")
 DATASET_TABLES = ("dataset_prompts", "corpus")
@@ -109,6 +111,11 @@ class RunLayout:
     @property
     def initial_policy_dir(self) -> Path:
         return self.run_dir / "initial_policy"
+
+    @property
+    def has_initial_policy(self) -> bool:
+        """Whether the run copied its initial policy (retention may have pruned it since a warm start)."""
+        return self.initial_policy_dir.exists() or tombstone_path(self.initial_policy_dir).is_file()
 
     def iteration_dir(self, iteration: int) -> Path:
         if iteration < 0:

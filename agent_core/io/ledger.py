@@ -27,7 +27,8 @@ from agent_core.io.tables import read_table, table_exists
 
 LEDGER_TABLE = "ledger"
 ITERATION_STAGES = (
-    "prepare_data", "rollout", "label_rewards", "compute_advantages", "train", "dev_eval", "log_iteration", "audit")
+    "prepare_data", "rollout", "label_rewards", "compute_advantages", "train", "dev_eval", "log_iteration", "audit",
+    "prune")
 # Stages of the run as a whole, booked to iteration 0 (the start policy's dev_eval under its own name).
 RUN_STAGES = (("init_policy", "init_policy"), ("init_critic", "init_critic"),
               ("oracle_episodes", "oracle_episodes"), ("warm_start", "warm_start"), ("dev_eval", "dev_eval_start"))

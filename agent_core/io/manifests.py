@@ -21,6 +21,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from agent_core.io.atomic import atomic_file
+from agent_core.io.tombstones import read_tombstone
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,16 @@ class ManifestError(ValueError):
 
 def fingerprint(path: str | os.PathLike | None) -> str:
     """sha256 of a file's bytes, or of a directory's visible files (names and contents); `ABSENT`
-    when nothing is there (an optional input, e.g. no critic yet)."""
+    when nothing is there (an optional input, e.g. no critic yet); for a path retention pruned, the
+    fingerprint its tombstone recorded (agent_core/io/tombstones.py)."""
     if path is None:
         return ABSENT
     path = Path(path)
     if path.is_file():
         return _file_digest(path)
     if not path.is_dir():
-        return ABSENT
+        pruned = read_tombstone(path)
+        return ABSENT if pruned is None else pruned.fingerprint
     digest = hashlib.sha256()
     for file in sorted(_visible_files(path)):
         digest.update(file.relative_to(path).as_posix().encode() + b"\0" + _file_digest(file).encode() + b"\n")
@@ -52,12 +55,14 @@ def fingerprint(path: str | os.PathLike | None) -> str:
 
 
 def output_size(path: str | os.PathLike) -> int:
-    """Bytes of a file, or of a directory's visible files; -1 when nothing is there. Reads no content."""
+    """Bytes of a file, or of a directory's visible files (of a pruned one: as its tombstone recorded);
+    -1 when nothing is there. Reads no content."""
     path = Path(path)
     if path.is_file():
         return path.stat().st_size
     if not path.is_dir():
-        return -1
+        pruned = read_tombstone(path)
+        return -1 if pruned is None else pruned.bytes
     return sum(file.stat().st_size for file in _visible_files(path))
 
 

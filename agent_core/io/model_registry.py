@@ -9,15 +9,18 @@ the model) whose one artifact is the checkpoint directory, so
 support stops at transformers 5.17: saving from a checkpoint directory fails on 5.23, and saving a
 pipeline re-serialises the model and looks for a model card on the Hub.
 
-The model is saved with `save_model` into a temporary folder and logged as plain artifacts of the
-run by the caller, not with `log_model`: that keeps to the explicit client (no active run), and a
-rerun after a kill overwrites the same artifact path instead of creating a second logged model.
+The model is saved with `save_model`, not `log_model`: that keeps to the explicit client (no active
+run), and a rerun after a kill overwrites the same artifact path instead of creating a second logged
+model. In a local artifact store it is built in a hidden folder beside its artifact path and renamed
+in (`place_policy_model`), its checkpoint files hard links of the run's (no second copy on disk).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import re
 import shutil
 import tempfile
@@ -31,6 +34,7 @@ from agent_core.io.mlflow_env import mlflow_env  # noqa: F401  (first: it sets M
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from agent_core.failpoints import failpoint  # noqa: E402
 from agent_core.io.checkpoints import check_checkpoint, save_merged_policy, swap_into_place  # noqa: E402
 from agent_core.io.layout import DataRoot  # noqa: E402
 from agent_core.io.lora_checkpoints import is_lora_checkpoint  # noqa: E402
@@ -87,15 +91,82 @@ def _signature():
 
 def save_policy_model(checkpoint_dir: Path, path: Path) -> Path:
     """Save the checkpoint at `checkpoint_dir` as an MLflow pyfunc model in `path` (which must not
-    exist); the checkpoint lands in `path/artifacts/checkpoint`. For a full checkpoint nothing is
-    loaded (no weights read, no input example run), so this costs a file copy. A LoRA checkpoint
-    (adapter + base path) is loaded and merged into a full one first, so the model loads with
-    transformers alone, without peft or the run's base checkpoint."""
+    exist); the checkpoint lands in `path/artifacts/checkpoint`, its files hard links of
+    `checkpoint_dir`'s where both are on one filesystem (copies otherwise). For a full checkpoint
+    nothing is loaded (no weights read, no input example run). A LoRA checkpoint (adapter + base
+    path) is loaded and merged into a full one written there, so the model loads with transformers
+    alone, without peft or the run's base checkpoint."""
     checkpoint_dir = check_checkpoint(Path(checkpoint_dir))
-    with tempfile.TemporaryDirectory(prefix="agentr1-merged-") as scratch:
-        if is_lora_checkpoint(checkpoint_dir):
-            checkpoint_dir = save_merged_policy(checkpoint_dir, Path(scratch) / "checkpoint")
-        return _save_pyfunc(checkpoint_dir, Path(path))
+    path = Path(path)
+    # MLflow copies an artifact into a temporary folder of its own before moving it into the model:
+    # it gets an empty placeholder, and the checkpoint is put in its place afterwards.
+    with tempfile.TemporaryDirectory(prefix="agentr1-placeholder-") as scratch:
+        placeholder = Path(scratch) / CHECKPOINT_ARTIFACT
+        placeholder.mkdir()
+        _save_pyfunc(placeholder, path)
+    target = path / "artifacts" / CHECKPOINT_ARTIFACT
+    target.rmdir()  # the placeholder, empty
+    if is_lora_checkpoint(checkpoint_dir):
+        save_merged_policy(checkpoint_dir, target)  # new weights: nothing to link
+    else:
+        link_tree(checkpoint_dir, target)
+    _record_artifact(path, checkpoint_dir)
+    return path
+
+
+def place_policy_model(checkpoint_dir: Path, final: Path) -> Path:
+    """`save_policy_model` into `final`, a local artifact path, replacing what is there: built in a
+    hidden sibling and renamed in, so a kill leaves the previous content or the whole new model,
+    never half a model. Temporaries of a killed earlier try of the same path are removed first (the
+    run's lock makes this process the only writer of its artifacts)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.*"):
+        if re.fullmatch(rf"\.{re.escape(final.name)}\.(tmp|old)-[0-9a-f]{{8}}", stale.name):
+            shutil.rmtree(stale, ignore_errors=True)
+    staging = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        save_policy_model(checkpoint_dir, staging)
+        failpoint("registry:model_staged")
+        swap_into_place(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+# A hard link cannot cross filesystems (EXDEV), may be refused (EPERM: fs.protected_hardlinks, or a
+# filesystem without links) or exceed the link limit (EMLINK): a copy then.
+_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+
+def link_tree(source: Path, target: Path) -> Path:
+    """`target` (which must not exist) as a copy of the tree `source` whose files are hard links of
+    the source's. Safe because a checkpoint's files are never modified in place: `save_policy` (and
+    every checkpoint writer) writes a new folder and renames it over the old one, and pruning
+    deletes names, so a registered model keeps the inodes it links whatever the run does next."""
+    shutil.copytree(source, target, copy_function=_link_or_copy)
+    return target
+
+
+def _link_or_copy(source: str, target: str) -> str:
+    try:
+        os.link(source, target)
+    except OSError as error:
+        if error.errno not in _NO_LINK:
+            raise
+        shutil.copy2(source, target)
+    return target
+
+
+def _record_artifact(path: Path, checkpoint_dir: Path) -> None:
+    """The MLmodel names the checkpoint it was made from (not the placeholder) and the model's real size."""
+    from mlflow.models import Model
+    from mlflow.utils.file_utils import get_total_file_size
+
+    model = Model.load(str(path))
+    model.flavors["python_function"]["artifacts"][CHECKPOINT_ARTIFACT]["uri"] = str(checkpoint_dir)
+    model.model_size_bytes = get_total_file_size(path)
+    model.save(str(path / "MLmodel"))
 
 
 def _save_pyfunc(checkpoint_dir: Path, path: Path) -> Path:
@@ -149,20 +220,23 @@ def _dev_em(tags: dict[str, str]) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def best_version(client: MlflowClient, model_name: str) -> tuple[float, int] | None:
+def best_version(client: MlflowClient, model_name: str,
+                 excluding: frozenset[int] = frozenset()) -> tuple[float, int] | None:
     """(dev EM, version) of the version with the highest dev EM among the model's versions that have
-    one (ties: the later version); None when none has one (or the model does not exist yet)."""
+    one (ties: the later version), leaving out the version numbers `excluding`; None when none has one
+    (or the model does not exist yet)."""
     versions = client.search_model_versions(f"name = '{model_name}'")
-    scored = [(em, int(v.version)) for v in versions if (em := _dev_em(v.tags)) is not None]
+    scored = [(em, int(v.version)) for v in versions
+              if (em := _dev_em(v.tags)) is not None and int(v.version) not in excluding]
     return max(scored) if scored else None
 
 
-def refresh_aliases(client: MlflowClient, model_name: str) -> dict[str, int]:
-    """Point `best` at `best_version`; returns alias -> version. Derived from the versions each time,
-    so a rerun after a kill repairs it. `latest` needs no setting: MLflow reserves that alias name
-    and resolves models:/<name>@latest to the highest version, i.e. the newest registered iteration
-    of the run that registered last."""
-    best = best_version(client, model_name)
+def refresh_aliases(client: MlflowClient, model_name: str, excluding: frozenset[int] = frozenset()) -> dict[str, int]:
+    """Point `best` at `best_version` (of the versions not in `excluding`: about to be deleted); returns
+    alias -> version. Derived from the versions each time, so a rerun after a kill repairs it. `latest`
+    needs no setting: MLflow reserves that alias name and resolves models:/<name>@latest to the highest
+    version, i.e. the newest registered iteration of the run that registered last."""
+    best = best_version(client, model_name, excluding)
     if best is None:
         return {}
     client.set_registered_model_alias(model_name, BEST_ALIAS, str(best[1]))

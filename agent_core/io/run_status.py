@@ -51,11 +51,18 @@ def record_run_end(run: RunLayout, status: str, detail: str | None = None) -> No
 
 def record_run_failure(run: RunLayout, detail: str, stages_committed: int) -> str:
     """Record that a training process on the run failed with `detail`, unless the run was recorded
-    finished and the process committed no stage (module docstring); the status now recorded."""
+    finished and the process committed no stage (module docstring); the status now recorded. On a disk
+    too full for status.json the record stays as it was (read as killed if there is none), so the
+    error being handled, likely that same full disk, is the one the caller raises."""
     recorded, _ = _recorded(run)
     if recorded == "finished" and stages_committed == 0:
         return "finished"
-    record_run_end(run, "failed", detail)
+    try:
+        record_run_end(run, "failed", detail)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        return recorded or "killed"
     return "failed"
 
 

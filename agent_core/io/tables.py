@@ -3,7 +3,8 @@
 The only module that reads or writes table files. A table is checked against its schema, written to a hidden
 temporary file in the target folder, fsynced and renamed over the target (`os.replace`); reads check it again,
 except a file this process checked and wrote itself and that is unchanged since. A stage writing several
-tables uses `write_tables`, which checks them all before writing any.
+tables uses `write_tables`, which checks them all (schemas, and the disk budget: io/disk_budget.py) before
+writing any.
 Design notes: docs/architecture.md §11 (agent_core/io/tables.py).
 """
 
@@ -20,6 +21,7 @@ import pyarrow.parquet as pq
 
 import schemas
 from agent_core.io.atomic import atomic_file
+from agent_core.io.disk_budget import ensure_room
 
 COMPRESSION = "zstd"
 _WRITTEN: dict[str, tuple[str, tuple]] = {}  # path -> (table name, _stat_key) of what this process checked and wrote
@@ -38,7 +40,8 @@ def write_table(table_name: str, data: pa.Table | Iterable[Mapping[str, Any]], u
     """Validate `data` as table `table_name` and write it to `uri` atomically; return the uri.
 
     data: an Arrow table, or rows (dicts keyed by column name), converted with the table's schema.
-    A validation failure raises `schemas.TableValidationError` and writes nothing.
+    A validation failure raises `schemas.TableValidationError`, too little free disk for the table and
+    the run's margin `disk_budget.DiskBudgetError`; either writes nothing.
     """
     path = _local_path(uri)  # a remote uri fails before the data is looked at
     _write_checked(table_name, _checked(table_name, data), path)
@@ -49,6 +52,9 @@ def write_tables(*tables: tuple[str, pa.Table | Iterable[Mapping[str, Any]], str
     """Write several (table_name, data, uri) tables, all validated before the first is written: a
     stage whose second table is bad must not leave its first behind. Returns the uris."""
     checked = [(name, _checked(name, data), _local_path(uri)) for name, data, uri in tables]
+    if checked:  # the room for all of them, before the first: a stage's tables come whole or not at all
+        ensure_room(checked[0][2], sum(table.nbytes for _, table, _ in checked),
+                    " and ".join(f"{name} table" for name, _, _ in checked))
     for name, table, path in checked:
         _write_checked(name, table, path)
     return [str(uri) for _, _, uri in tables]
@@ -61,6 +67,8 @@ def _checked(table_name: str, data: pa.Table | Iterable[Mapping[str, Any]]) -> p
 
 
 def _write_checked(table_name: str, table: pa.Table, path: Path) -> None:
+    # Arrow's in-memory size: about the Parquet file before compression, known before a byte is written
+    ensure_room(path, table.nbytes, f"{table_name} table")
     with atomic_file(path, failpoint_prefix=f"write_table:{path.name}") as sink:
         pq.write_table(table, sink, compression=COMPRESSION, write_page_checksum=True)
     _WRITTEN[str(path.resolve())] = (table_name, _stat_key(os.stat(path)))

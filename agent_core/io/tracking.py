@@ -22,6 +22,7 @@ from agent_core.io.mlflow_env import mlflow_env  # noqa: F401  (first: it sets M
 from mlflow.entities import Metric, Param, RunTag, ViewType  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository  # noqa: E402
+from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import (  # noqa: E402
     MAX_ENTITY_KEY_LENGTH,
@@ -36,6 +37,7 @@ from agent_core.io.model_registry import (  # noqa: E402
     ITERATION_TAG,
     RUN_ID_TAG,
     best_version,
+    place_policy_model,
     refresh_aliases,
     save_policy_model,
     version_tags,
@@ -284,9 +286,12 @@ class Tracker:
             raise TrackingError(f"checkpoint of iteration {iteration} not found: {checkpoint_dir} is not a directory")
         artifact_path = f"{CHECKPOINT_ARTIFACT_DIR}/iteration={int(iteration)}"
         # The same artifact path every time: a rerun after a kill overwrites what the killed run logged.
-        with tempfile.TemporaryDirectory(prefix="agentr1-model-") as staging:
-            model_dir = save_policy_model(checkpoint_dir, Path(staging) / "model")
-            self._artifact_repo(mlflow_run_id).log_artifacts(str(model_dir), artifact_path)
+        repo = self._artifact_repo(mlflow_run_id)
+        if isinstance(repo, LocalArtifactRepository):  # built in place, its checkpoint files hard links
+            place_policy_model(checkpoint_dir, Path(repo.artifact_dir) / artifact_path)
+        else:  # a remote store gets a copy through a temporary folder
+            with tempfile.TemporaryDirectory(prefix="agentr1-model-") as staging:
+                repo.log_artifacts(str(save_policy_model(checkpoint_dir, Path(staging) / "model")), artifact_path)
         self._ensure_registered_model(model_name)
         failpoint("tracking:checkpoint_artifacts_logged")
         run = self.client.get_run(mlflow_run_id)

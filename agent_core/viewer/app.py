@@ -123,7 +123,7 @@ class _Tokenizers:
     def of(self, run: RunLayout):
         with self._lock:
             if run.run_id not in self._cache:
-                self._cache[run.run_id] = load_tokenizer(run.initial_policy_dir)
+                self._cache[run.run_id] = load_tokenizer(run.start_policy_dir)  # the initial one may be pruned
             return self._cache[run.run_id]
 
 
