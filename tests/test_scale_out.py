@@ -65,7 +65,8 @@ def cluster_run(tmp_path_factory):
     overrides = ["cluster.address=local", "cluster.num_cpus=2", "cluster.rollout_replicas=2", "cluster.replica_cpus=0.5",
                  "cluster.worker_cpus=0.5",
                  "cluster.trainer_workers=2", "iterations=3", "runtime.max_staleness=1", "trainer.epochs=30",
-                 "dev_eval.every=0"]
+                 "dev_eval.every=0",
+                 "checkpoints.keep_all=true"]  # the tests below rebuild iteration 2's job from checkpoint 1
     command = [AGENTR1, "train", "--config", "tiny", "--data-root", str(data_root), "--run-id", RUN_ID]
     for item in overrides:
         command += ["--set", item]

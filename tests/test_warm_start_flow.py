@@ -7,12 +7,12 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from agent_core.io.layout import DataRoot
+from agent_core.io.manifests import fingerprint, read_manifest
 from agent_core.io.query import run_query
 from agent_core.io.tables import read_table
+from agent_core.io.tombstones import read_tombstone
 from agent_core.validation import load_config
 from flows.train import train
 
@@ -51,9 +51,11 @@ def test_rl_starts_from_the_warm_started_policy(warm_run):
     _, _, run = warm_run
     assert run.start_policy_dir == run.warm_start_policy_dir
     assert run.reference_policy_dir == run.warm_start_policy_dir
-    initial = load_file(run.initial_policy_dir / "model.safetensors")
-    warm = load_file(run.warm_start_policy_dir / "model.safetensors")
-    assert any(not torch.equal(initial[name], warm[name]) for name in initial)  # fine-tuning changed weights
+    # retention pruned the initial policy once the warm-started one replaced it; its tombstone keeps
+    # what the manifests recorded of it, and fine-tuning changed the weights
+    assert not run.initial_policy_dir.exists() and run.has_initial_policy
+    assert read_tombstone(run.initial_policy_dir).fingerprint != fingerprint(run.warm_start_policy_dir)
+    assert fingerprint(run.initial_policy_dir) == read_manifest(run.manifest_path("init_policy")).output_fingerprints["policy"]
     steps = read_table("steps", run.table_uri(0, "steps"))
     assert set(steps.column("policy_version").to_pylist()) == {0}
 
