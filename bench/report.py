@@ -22,7 +22,8 @@ REPO_ROOT = BENCH_DIR.parent
 DEFAULT_OUTPUT = REPO_ROOT / "docs" / "benchmarks.md"
 MARKER = "<!-- hand-written below -->"
 # the benchmarks `make bench` runs, in page order (bench/run_all.py runs the same list)
-BENCHMARKS = ("rollout", "gateway", "training", "overhead", "scaling", "trl_compare", "memory", "scale_out", "viewer")
+BENCHMARKS = ("rollout", "gateway", "training", "overhead", "scaling", "trl_compare", "memory", "scale_out", "viewer",
+              "disk")
 
 INTRO = """\
 # Benchmarks
