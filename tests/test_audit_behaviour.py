@@ -29,7 +29,8 @@ LAZY_POLICY = ["data.num_films=2000", "data.num_people=2000", "data.num_cities=4
                "data.top_k=1", "policy.hidden_size=128", "policy.num_layers=4", "policy.num_heads=4",
                "policy.intermediate_size=256", "warm_start.enabled=true", "warm_start.prompts=1600",
                "warm_start.lazy_fraction=1.0", "warm_start.epochs=1", "warm_start.lr=0.001", "dev_eval.every=0",
-               "iterations=3"]
+               "iterations=3",
+               "checkpoints.keep_last=2"]  # the last test reruns iteration 2's rollout, which reads checkpoint 1
 
 
 @pytest.fixture(scope="module")
