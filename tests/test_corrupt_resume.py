@@ -35,10 +35,10 @@ from tasks.run_config import recording_end
 # ledger is all stage timings, rewritten after every iteration.
 CLOCKED = ("steps.parquet", "train_metrics.parquet", "ledger.parquet")
 # An iteration's stages in order; the audit reads its iteration's tables, so a redone rollout or train
-# (whose tables hold wall-clock columns) redoes it, and the later iterations' audits whose baseline
+# (whose tables hold wall-clock columns) redoes it (and a redone train its prune: it reads train's manifest), and the later iterations' audits whose baseline
 # includes this iteration (audit.baseline_iterations), e.g. AUDIT_1 for iteration 0.
 ITERATION_0 = [f"iteration=0/_manifests/{s}.json" for s in ("rollout", "label_rewards", "compute_advantages",
-                                                             "train", "log_iteration", "audit")]
+                                                             "train", "log_iteration", "audit", "prune")]
 AUDIT_1 = "iteration=1/_manifests/audit.json"
 
 
@@ -108,7 +108,7 @@ def _damage_and_resume(finished, tmp_path: Path, target: str, how: str, caplog) 
     assert got.keys() == files.keys()
     assert [name for name in files if got[name] != files[name] and not name.endswith(CLOCKED)] == []
     assert run_status(run).status == "finished"
-    assert registered_iterations(copy) == list(range(len({k.split("/")[0] for k in rows})))
+    assert rows["registered"] == [k for k in range(len(rows)) if f"{k}/steps" in rows]  # kept: one per iteration
     if target != "dataset/corpus.parquet" or how != "delete":  # a missing dataset table is simply written again
         named = (path, path.parent)  # the damaged file, or the checkpoint folder it is in
         assert any(str(p) in r.getMessage() for r in caplog.records if r.levelname == "WARNING" for p in named), \
@@ -178,7 +178,8 @@ def test_a_killed_run_with_a_damaged_table_resumes_to_the_undamaged_run(two_iter
     assert "iteration 0 rollout: redoing the stage, its outputs are missing or damaged" in output
     after = _manifest_times(root)
     assert sorted(n for n in after if after[n] != killed_times.get(n)) == sorted(
-        [*ITERATION_0, "iteration=1/_manifests/train.json", "iteration=1/_manifests/log_iteration.json", AUDIT_1])
+        [*ITERATION_0, "iteration=1/_manifests/train.json", "iteration=1/_manifests/log_iteration.json", AUDIT_1,
+         "iteration=1/_manifests/prune.json"])
     assert snapshot(root) == rows
     got = _files(root)
     assert [name for name in files if got.get(name) != files[name] and not name.endswith(CLOCKED)] == []
