@@ -77,13 +77,17 @@ def committed_iterations(run: RunLayout) -> list[int]:
     and optimizer state the one before recorded as its outputs. A later manifest from before a changed
     setting reran an earlier iteration is stale (its iteration reruns), so the chain, and what resume
     may still read, ends before it. Reads manifests only: no checkpoint is hashed."""
-    committed, before = [], None
+    return list(_committed_train_manifests(run))
+
+
+def _committed_train_manifests(run: RunLayout) -> dict:
+    """`committed_iterations` -> each one's train manifest (read once: plan_prune needs their fingerprints)."""
+    committed, before = {}, None
     for k in run.iterations():
         manifest = read_manifest(run.manifest_path("train", k))
         if manifest is None or (before is not None and not _reads_outputs_of(manifest, before)):
             break
-        committed.append(k)
-        before = manifest
+        committed[k] = before = manifest
     return committed
 
 
@@ -127,7 +131,8 @@ def kept_iterations(committed: list[int], policy: CheckpointsConfig, dev_em: Map
 
 def plan_prune(run: RunLayout, policy: CheckpointsConfig, pinned: frozenset[int] = frozenset()) -> PrunePlan:
     """What `policy` lets go in `run` now. `pinned`: iterations kept whatever the rules say."""
-    committed = committed_iterations(run)
+    manifests = _committed_train_manifests(run)
+    committed = list(manifests)
     kept = kept_iterations(committed, policy, dev_em_by_iteration(run, committed))
     kept.update({k: "in use by a reader" for k in pinned if k in committed and k not in kept})
     newest = committed[-1] if committed else None
@@ -142,7 +147,7 @@ def plan_prune(run: RunLayout, policy: CheckpointsConfig, pinned: frozenset[int]
             if path.exists():
                 reason = (f"checkpoints.keep_last={policy.keep_last}" if follows_checkpoint
                           else "optimizer state: only the newest iteration's is kept")
-                recorded = read_manifest(run.manifest_path("train", k)).output_fingerprints.get(kind)
+                recorded = manifests[k].output_fingerprints.get(kind)
                 items.append(PruneItem(kind, k, path, freed_by_deleting(path), reason, recorded))
     if not policy.keep_all and newest is not None and (initial := _initial_policy_item(run, newest)):
         items.append(initial)
